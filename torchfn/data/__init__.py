@@ -1,0 +1,3 @@
+"""Data: shard format, streaming IterableDatasets and samplers (issue 7; not yet implemented)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Functional core: stateless models, pytree helpers, transforms, train step, checkpoints."""
+
+__all__: list[str] = []
