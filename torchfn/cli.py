@@ -1,0 +1,147 @@
+"""The ``torchfn`` command: ``doctor``, ``demo`` and ``build-ops``."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+
+def _tool_version(cmd: Sequence[str]) -> str:
+    """Return the first line a tool prints for its version, or why it could not be read."""
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        return "not found"
+    try:
+        out = subprocess.run(
+            [exe, *cmd[1:]], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:  # pragma: no cover - environment-specific
+        return f"found at {exe}, but running it failed: {e}"
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    if not lines:
+        return f"found at {exe} (no version printed)"
+    # nvcc prints its release on the last line; others on the first
+    line = lines[-1] if cmd[0] == "nvcc" else lines[0]
+    return f"{line.strip()} ({exe})"
+
+
+def doctor_report() -> list[tuple[str, str]]:
+    """Return ``(name, value)`` rows describing torch, devices, compilers and the custom ops."""
+    import torch
+
+    rows: list[tuple[str, str]] = []
+    import torchfn
+
+    rows.append(("torchfn", torchfn.__version__))
+    rows.append(("python", f"{platform.python_version()} ({sys.executable})"))
+    rows.append(("platform", platform.platform()))
+    rows.append(("torch", torch.__version__))
+    try:
+        import torchopt
+
+        rows.append(("torchopt", torchopt.__version__))
+    except Exception as e:  # pragma: no cover - torchopt is a hard dependency
+        rows.append(("torchopt", f"import failed: {e}"))
+    rows.append(("torch CUDA build", str(torch.version.cuda) if torch.version.cuda else "none (CPU build)"))
+    rows.append(("cpu threads", str(torch.get_num_threads())))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            rows.append(
+                (
+                    f"cuda:{i}",
+                    f"{p.name}, {p.total_memory / 2**30:.1f} GiB, sm_{p.major}{p.minor}, "
+                    f"{p.multi_processor_count} SMs",
+                )
+            )
+    else:
+        why = "torch is a CPU build" if not torch.version.cuda else "no CUDA device visible"
+        rows.append(("cuda devices", f"none ({why})"))
+    rows.append(("usable devices", ", ".join(_usable_devices())))
+    rows.append(("c++ compiler", _tool_version(["c++", "--version"])))
+    rows.append(("ninja", _tool_version(["ninja", "--version"])))
+    rows.append(("nvcc", _tool_version(["nvcc", "--version"])))
+    rows.extend(_ops_rows())
+    return rows
+
+
+def _usable_devices() -> list[str]:
+    """Return the devices on which a small tensor op actually runs."""
+    import torch
+
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            try:
+                x = torch.ones(4, device=f"cuda:{i}")
+                torch.cuda.synchronize(i)
+                if float((x * 2).sum()) == 8.0:
+                    devs.append(f"cuda:{i}")
+            except Exception as e:  # pragma: no cover - GPU-specific
+                devs.append(f"cuda:{i} (FAILED: {e})")
+    return devs
+
+
+def _ops_rows() -> list[tuple[str, str]]:
+    """Rows for the custom ops: built or falling back to the reference twins, and why."""
+    from torchfn import ops
+
+    status_fn = getattr(ops, "ops_status", None)
+    if status_fn is None:
+        return [("custom ops", "none in this version (pure-PyTorch only)")]
+    try:
+        status = status_fn()
+    except Exception as e:  # report, never crash the doctor
+        return [("custom ops", f"status failed: {type(e).__name__}: {e}")]
+    return [(f"ops: {k}", str(v)) for k, v in status.items()]
+
+
+def _cmd_doctor(_args: argparse.Namespace) -> int:
+    rows = doctor_report()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from torchfn._demo import run_demo
+
+    run_demo(steps=args.steps)
+    return 0
+
+
+def _cmd_build_ops(args: argparse.Namespace) -> int:
+    from torchfn import ops
+
+    build = getattr(ops, "build_ops", None)
+    if build is None:
+        print("torchfn build-ops: this version has no custom ops to build")
+        return 0
+    report = build(verbose=args.verbose)
+    print(report)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``torchfn`` console command."""
+    parser = argparse.ArgumentParser(prog="torchfn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("doctor", help="print torch/CUDA/compiler versions, devices and custom-op status")
+    p.set_defaults(func=_cmd_doctor)
+    p = sub.add_parser("demo", help="run the end-to-end demo of the functional core (CPU, < 2 min)")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")
+    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("build-ops", help="build the C++/CUDA custom ops now and report")
+    p.add_argument("--verbose", action="store_true", help="show the compiler output")
+    p.set_defaults(func=_cmd_build_ops)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
