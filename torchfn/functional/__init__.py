@@ -3,13 +3,49 @@
 from torchfn.functional._batchnorm import BatchNorm as BatchNorm
 from torchfn.functional._batchnorm import functional_batch_norm as functional_batch_norm
 from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
+from torchfn.functional._pytree import tree_add as tree_add
+from torchfn.functional._pytree import tree_add_scaled as tree_add_scaled
+from torchfn.functional._pytree import tree_dot as tree_dot
+from torchfn.functional._pytree import tree_global_norm as tree_global_norm
+from torchfn.functional._pytree import tree_map as tree_map
+from torchfn.functional._pytree import tree_numel as tree_numel
+from torchfn.functional._pytree import tree_ones_like as tree_ones_like
+from torchfn.functional._pytree import tree_ravel as tree_ravel
+from torchfn.functional._pytree import tree_scalar_mul as tree_scalar_mul
+from torchfn.functional._pytree import tree_sub as tree_sub
+from torchfn.functional._pytree import tree_zeros_like as tree_zeros_like
 from torchfn.functional._stateless import FunctionalModel as FunctionalModel
 from torchfn.functional._stateless import make_functional as make_functional
+from torchfn.functional._transforms import empirical_ntk as empirical_ntk
+from torchfn.functional._transforms import hessian_diagonal as hessian_diagonal
+from torchfn.functional._transforms import hessian_matrix as hessian_matrix
+from torchfn.functional._transforms import hvp as hvp
+from torchfn.functional._transforms import per_sample_grad_norms as per_sample_grad_norms
+from torchfn.functional._transforms import per_sample_grads as per_sample_grads
+from torchfn.functional._transforms import single_sample_fn as single_sample_fn
 
 __all__ = [
     "BatchNorm",
     "FunctionalModel",
+    "empirical_ntk",
     "functional_batch_norm",
+    "hessian_diagonal",
+    "hessian_matrix",
+    "hvp",
     "make_functional",
+    "per_sample_grad_norms",
+    "per_sample_grads",
     "replace_batchnorm",
+    "single_sample_fn",
+    "tree_add",
+    "tree_add_scaled",
+    "tree_dot",
+    "tree_global_norm",
+    "tree_map",
+    "tree_numel",
+    "tree_ones_like",
+    "tree_ravel",
+    "tree_scalar_mul",
+    "tree_sub",
+    "tree_zeros_like",
 ]
