@@ -3,6 +3,12 @@
 from torchfn.functional._batchnorm import BatchNorm as BatchNorm
 from torchfn.functional._batchnorm import functional_batch_norm as functional_batch_norm
 from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
+from torchfn.functional._checkpoint import CheckpointError as CheckpointError
+from torchfn.functional._checkpoint import load_checkpoint as load_checkpoint
+from torchfn.functional._checkpoint import save_checkpoint as save_checkpoint
+from torchfn.functional._optim import adam as adam
+from torchfn.functional._optim import adamw as adamw
+from torchfn.functional._optim import scale_by_adam as scale_by_adam
 from torchfn.functional._pytree import tree_add as tree_add
 from torchfn.functional._pytree import tree_add_scaled as tree_add_scaled
 from torchfn.functional._pytree import tree_dot as tree_dot
@@ -16,6 +22,12 @@ from torchfn.functional._pytree import tree_sub as tree_sub
 from torchfn.functional._pytree import tree_zeros_like as tree_zeros_like
 from torchfn.functional._stateless import FunctionalModel as FunctionalModel
 from torchfn.functional._stateless import make_functional as make_functional
+from torchfn.functional._train_step import DynamicLossScaler as DynamicLossScaler
+from torchfn.functional._train_step import LossScaleState as LossScaleState
+from torchfn.functional._train_step import TrainState as TrainState
+from torchfn.functional._train_step import init_train_state as init_train_state
+from torchfn.functional._train_step import make_train_step as make_train_step
+from torchfn.functional._train_step import step_rng as step_rng
 from torchfn.functional._transforms import empirical_ntk as empirical_ntk
 from torchfn.functional._transforms import hessian_diagonal as hessian_diagonal
 from torchfn.functional._transforms import hessian_matrix as hessian_matrix
@@ -26,17 +38,29 @@ from torchfn.functional._transforms import single_sample_fn as single_sample_fn
 
 __all__ = [
     "BatchNorm",
+    "CheckpointError",
+    "DynamicLossScaler",
     "FunctionalModel",
+    "LossScaleState",
+    "TrainState",
+    "adam",
+    "adamw",
     "empirical_ntk",
     "functional_batch_norm",
     "hessian_diagonal",
     "hessian_matrix",
     "hvp",
+    "init_train_state",
+    "load_checkpoint",
     "make_functional",
+    "make_train_step",
     "per_sample_grad_norms",
     "per_sample_grads",
     "replace_batchnorm",
+    "save_checkpoint",
+    "scale_by_adam",
     "single_sample_fn",
+    "step_rng",
     "tree_add",
     "tree_add_scaled",
     "tree_dot",

@@ -1,0 +1,271 @@
+"""Atomic checkpoints of TrainState: round trip, crash safety, bitwise resume, errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import NamedTuple
+
+import optree
+import pytest
+import torch
+import torchopt
+from torch import nn
+from torchopt.base import GradientTransformation
+from torchopt.transform.scale_by_adam import ScaleByAdamState
+
+import torchfn.functional._checkpoint as ckpt_mod
+from torchfn.functional._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from torchfn.functional._optim import adam, adamw
+from torchfn.functional._train_step import (
+    TrainState,
+    init_train_state,
+    make_train_step,
+    step_rng,
+)
+
+
+def mse(outputs, targets):
+    return ((outputs - targets) ** 2).mean()
+
+
+def dropout_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    module = module.to(dtype)
+    params = {k: v.detach().clone() for k, v in module.named_parameters()}
+
+    def model_fn(p, b, x):
+        return torch.func.functional_call(module, p, (x,)), b
+
+    # a buffer that the model passes through unchanged, to check buffers round-trip too
+    buffers = {"counter": torch.arange(3)}
+    return model_fn, params, buffers
+
+
+def batch_for(t, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 + t)
+    return torch.randn(8, 4, generator=g, dtype=dtype), torch.randn(8, 2, generator=g, dtype=dtype)
+
+
+def assert_states_equal(a: TrainState, b: TrainState):
+    """Bitwise equality of every leaf and equal pytree structure (NamedTuple types included)."""
+    leaves_a, spec_a = optree.tree_flatten(a)
+    leaves_b, spec_b = optree.tree_flatten(b)
+    assert spec_a == spec_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y)
+
+
+def test_round_trip_rebuilds_types(tmp_path):
+    _, params, buffers = dropout_model()
+    sched = torchopt.schedule.linear_schedule(0.1, 0.01, 10)
+    for opt in (adamw(lr=sched, weight_decay=0.1), torchopt.sgd(0.1, momentum=0.9), adam()):
+        state = init_train_state(params, buffers, opt, seed=11, loss_scale=512.0)
+        state = state._replace(step=torch.tensor(7))
+        path = tmp_path / "state.pt"
+        extra = {"loader": {"epoch": 2, "offsets": [1, 2, 3], "pair": (4, "x")}, "note": None}
+        save_checkpoint(path, state, extra=extra)
+        loaded, loaded_extra = load_checkpoint(path)
+        assert_states_equal(loaded, state)
+        assert isinstance(loaded, TrainState)
+        assert loaded_extra == extra
+        assert isinstance(loaded_extra["loader"]["pair"], tuple)
+        with_template, _ = load_checkpoint(path, optimizer=opt)
+        assert_states_equal(with_template, state)
+    assert any(isinstance(s, ScaleByAdamState) for s in loaded.opt_state)
+
+
+def test_file_records_versions_and_loads_weights_only(tmp_path):
+    _, params, buffers = dropout_model()
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, init_train_state(params, buffers, adam(), seed=0))
+    raw = torch.load(path, weights_only=True)
+    assert raw["format"] == "torchfn.checkpoint"
+    assert raw["format_version"] == ckpt_mod.FORMAT_VERSION
+    assert raw["torch_version"] == str(torch.__version__)
+
+
+def _failing_save(nbytes):
+    def save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04" + b"\x00" * nbytes)  # the start of a zip, then the "crash"
+        raise OSError("disk full (simulated)")
+
+    return save
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    _, params, buffers = dropout_model()
+    opt = adam()
+    first = init_train_state(params, buffers, opt, seed=1)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, first, extra={"n": 1})
+    second = first._replace(params={k: v + 1 for k, v in params.items()}, step=torch.tensor(5))
+    monkeypatch.setattr(ckpt_mod.torch, "save", _failing_save(1000))
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(path, second, extra={"n": 2})
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]  # no temporary file left behind
+    loaded, extra = load_checkpoint(path)
+    assert_states_equal(loaded, first)
+    assert extra == {"n": 1}
+    save_checkpoint(path, second, extra={"n": 2})  # and a later save works
+    loaded, extra = load_checkpoint(path)
+    assert_states_equal(loaded, second)
+    assert extra == {"n": 2}
+
+
+def test_killed_process_mid_write_keeps_previous_checkpoint(tmp_path):
+    _, params, buffers = dropout_model()
+    first = init_train_state(params, buffers, adam(), seed=1)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, first)
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        import torchfn.functional._checkpoint as m
+        from torchfn.functional._optim import adam
+        from torchfn.functional._train_step import init_train_state
+
+        def save(obj, f, *args, **kwargs):
+            f.write(b"PK\\x03\\x04" + b"\\x00" * 4096)
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        m.torch.save = save
+        state = init_train_state({{"w": torch.zeros(3)}}, {{}}, adam(), seed=2)
+        m.save_checkpoint({str(path)!r}, state)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    litter = sorted(set(os.listdir(tmp_path)) - {"ckpt.pt"})
+    assert len(litter) == 1 and litter[0].startswith(".ckpt.pt.") and litter[0].endswith(".tmp")
+    assert os.path.getsize(tmp_path / litter[0]) > 4096
+    loaded, _ = load_checkpoint(path)  # the half-written file is never read
+    assert_states_equal(loaded, first)
+
+
+def _train(step, state, start, stop):
+    for t in range(start, stop):
+        state, _ = step(state, batch_for(t))
+    return state
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_resumed_run_is_bitwise_identical(tmp_path, opt_name):
+    model_fn, params, buffers = dropout_model()
+    opt = adam(lr=0.01, weight_decay=0.01) if opt_name == "adam" else torchopt.sgd(0.05, 0.9)
+    step = make_train_step(model_fn, mse, opt, grad_accum_steps=2, max_grad_norm=1.0)
+    init = init_train_state(params, buffers, opt, seed=1234)
+    straight = _train(step, init, 0, 6)
+
+    interrupted = _train(step, init, 0, 3)
+    path = tmp_path / "ckpt.pt"
+    loader_state = {"position": 3, "order": torch.randperm(10)}
+    save_checkpoint(path, interrupted, extra={"loader": loader_state})
+    del interrupted
+    torch.manual_seed(999)  # the resumed process starts from another global RNG state
+    resumed, extra = load_checkpoint(path)
+    assert extra["loader"]["position"] == 3
+    assert torch.equal(extra["loader"]["order"], loader_state["order"])
+    resumed = _train(step, resumed, extra["loader"]["position"], 6)
+    assert_states_equal(resumed, straight)
+    assert int(resumed.step) == 6
+    # dropout made a difference: a run with another seed ends elsewhere
+    other = _train(step, init._replace(seed=torch.tensor(1235)), 0, 6)
+    assert not torch.equal(other.params["0.weight"], straight.params["0.weight"])
+
+
+def test_compiled_resume_with_step_rng_is_bitwise_identical(tmp_path):
+    model_fn, params, buffers = dropout_model()
+    opt = adam(lr=0.01)
+    compiled = torch.compile(make_train_step(model_fn, mse, opt), fullgraph=True)
+
+    def train(state, start, stop):
+        for t in range(start, stop):
+            with step_rng(state):
+                state, _ = compiled(state, batch_for(t))
+        return state
+
+    init = init_train_state(params, buffers, opt, seed=77)
+    straight = train(init, 0, 4)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, train(init, 0, 2))
+    torch.manual_seed(5)
+    resumed, _ = load_checkpoint(path)
+    assert_states_equal(train(resumed, 2, 4), straight)
+
+
+def test_errors(tmp_path):
+    missing = tmp_path / "nope.pt"
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nope\.pt"):
+        load_checkpoint(missing)
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match=r"corrupt.pt.*corrupt or not a torch checkpoint"):
+        load_checkpoint(corrupt)
+    _, params, buffers = dropout_model()
+    state = init_train_state(params, buffers, adam(), seed=0)
+    good = tmp_path / "good.pt"
+    save_checkpoint(good, state)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: os.path.getsize(good) // 2])
+    with pytest.raises(CheckpointError, match=r"truncated\.pt"):
+        load_checkpoint(truncated)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(2)}, other)
+    with pytest.raises(CheckpointError, match="not a torchfn checkpoint"):
+        load_checkpoint(other)
+    future = tmp_path / "future.pt"
+    payload = torch.load(good, weights_only=True)
+    payload["format_version"] = 99
+    torch.save(payload, future)
+    with pytest.raises(CheckpointError, match="format version 99"):
+        load_checkpoint(future)
+    with pytest.raises(TypeError, match=r"cannot store extra\['fn'\] of type function"):
+        save_checkpoint(tmp_path / "x.pt", state, extra={"fn": lambda: 0})
+    assert not (tmp_path / "x.pt").exists()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        save_checkpoint(tmp_path / "no_dir" / "x.pt", state)
+    with pytest.raises(TypeError, match="expected a TrainState"):
+        save_checkpoint(tmp_path / "x.pt", {"params": params})
+    with pytest.raises(CheckpointError, match=r"does not match optimizer\.init"):
+        load_checkpoint(good, optimizer=torchopt.sgd(0.1, momentum=0.9))
+
+
+class _CustomState(NamedTuple):
+    acc: dict
+
+
+def _custom_opt() -> GradientTransformation:
+    """A GradientTransformation whose state class lives outside torchopt/torchfn."""
+
+    def init(params):
+        return _CustomState(acc={k: torch.zeros_like(v) for k, v in params.items()})
+
+    def update(updates, state, *, params=None, inplace=True):
+        acc = {k: state.acc[k] + updates[k] ** 2 for k in updates}
+        return {k: -0.1 * u for k, u in updates.items()}, _CustomState(acc=acc)
+
+    return GradientTransformation(init, update)
+
+
+def test_foreign_state_classes_need_the_optimizer_template(tmp_path):
+    _, params, buffers = dropout_model()
+    opt = _custom_opt()
+    state = init_train_state(params, buffers, opt, seed=0)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    _, opt_state = opt.update(grads, state.opt_state)
+    state = state._replace(opt_state=opt_state)
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match=r"not imported from a checkpoint.*pass optimizer="):
+        load_checkpoint(path)
+    loaded, _ = load_checkpoint(path, optimizer=opt)
+    assert_states_equal(loaded, state)
+    assert isinstance(loaded.opt_state, _CustomState)

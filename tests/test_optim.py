@@ -1,0 +1,303 @@
+"""torchfn's compile-safe adam/adamw against torch.optim, torchopt, finite differences, compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchopt
+from torchopt.transform.scale_by_adam import ScaleByAdamState
+
+from torchfn.functional._optim import adam, adamw, scale_by_adam
+
+
+def _problem(dtype: torch.dtype, seed: int = 0):
+    """Return params of a tiny MLP and a loss(params, step) on fresh random data each step."""
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        "0.weight": torch.randn(5, 3, generator=g, dtype=dtype),
+        "0.bias": torch.randn(5, generator=g, dtype=dtype),
+        "2.weight": torch.randn(2, 5, generator=g, dtype=dtype),
+    }
+    data = [
+        (torch.randn(8, 3, generator=g, dtype=dtype), torch.randn(8, 2, generator=g, dtype=dtype))
+        for _ in range(40)
+    ]
+
+    def loss(p, t):
+        x, y = data[t]
+        h = torch.tanh(x @ p["0.weight"].T + p["0.bias"])
+        return ((h @ p["2.weight"].T - y) ** 2).mean()
+
+    return params, loss
+
+
+def _adam_state(chain_state):
+    (found,) = [s for s in chain_state if isinstance(s, ScaleByAdamState)]
+    return found
+
+
+def _grads(loss, params, t):
+    ps = {k: v.detach().requires_grad_() for k, v in params.items()}
+    gs = torch.autograd.grad(loss(ps, t), list(ps.values()))
+    return dict(zip(ps, gs, strict=True))
+
+
+def _run_ours(opt, params, loss, steps):
+    state = opt.init(params)
+    for t in range(steps):
+        updates, state = opt.update(_grads(loss, params, t), state, params=params, inplace=False)
+        params = torchopt.apply_updates(params, updates, inplace=False)
+    return params, state
+
+
+def _run_torch(make_opt, params, loss, steps, make_sched=None):
+    ps = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt = make_opt(list(ps.values()))
+    sched = make_sched(opt) if make_sched is not None else None
+    for t in range(steps):
+        opt.zero_grad()
+        loss(ps, t).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return {k: v.detach() for k, v in ps.items()}
+
+
+def _assert_close(a, b, **kw):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **kw)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adam_matches_torch_optim_float64(weight_decay, maximize):
+    params, loss = _problem(torch.float64)
+    kw = dict(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay, maximize=maximize)
+    ours, state = _run_ours(adam(**kw), params, loss, 30)
+    ref = _run_torch(lambda ps: torch.optim.Adam(ps, **kw), params, loss, 30)
+    _assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(ours["0.bias"], params["0.bias"])
+    adam_state = _adam_state(state)
+    assert isinstance(adam_state, ScaleByAdamState)
+    assert all(int(c) == 30 for c in adam_state.count.values())
+
+
+def test_adamw_matches_torch_optim_float64():
+    params, loss = _problem(torch.float64, seed=1)
+    kw = dict(lr=0.03, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.2)
+    ours, _ = _run_ours(adamw(**kw), params, loss, 30)
+    ref = _run_torch(lambda ps: torch.optim.AdamW(ps, **kw), params, loss, 30)
+    _assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", ["adam", "adamw"])
+def test_schedule_matches_lambda_lr_float64(which):
+    params, loss = _problem(torch.float64, seed=2)
+    init_lr, end_lr, n = 0.05, 0.005, 20
+    sched = torchopt.schedule.linear_schedule(init_lr, end_lr, transition_steps=n)
+    ours_opt = (adam if which == "adam" else adamw)(lr=sched, weight_decay=0.1)
+    ours, _ = _run_ours(ours_opt, params, loss, 25)
+    torch_cls = torch.optim.Adam if which == "adam" else torch.optim.AdamW
+
+    def factor(t):
+        return (init_lr + (end_lr - init_lr) * min(t, n) / n) / init_lr
+
+    ref = _run_torch(
+        lambda ps: torch_cls(ps, lr=init_lr, weight_decay=0.1),
+        params,
+        loss,
+        25,
+        make_sched=lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor),
+    )
+    # torchopt's schedule evaluates in float32, so the lr carries float32 rounding
+    _assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"weight_decay": 0.1, "eps_root": 1e-9},
+        {"maximize": True, "betas": (0.5, 0.9)},
+    ],
+)
+@pytest.mark.parametrize("which", ["adam", "adamw"])
+def test_matches_torchopt_eager(which, kw):
+    params, loss = _problem(torch.float32, seed=3)
+    ours_fn, ref_fn = (adam, torchopt.adam) if which == "adam" else (adamw, torchopt.adamw)
+    ours, ours_state = _run_ours(ours_fn(lr=0.02, **kw), params, loss, 20)
+    ref, ref_state = _run_ours(ref_fn(lr=0.02, **kw), params, loss, 20)
+    _assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    ours_mu = _adam_state(ours_state).mu
+    # torchopt's default (flat) chain keeps the moments as a list in leaf order
+    ref_mu = dict(zip(sorted(params), _adam_state(ref_state).mu, strict=True))
+    _assert_close(ours_mu, ref_mu, rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_equals_eager_and_compiles_once():
+    params, loss = _problem(torch.float32, seed=4)
+    sched = torchopt.schedule.linear_schedule(0.05, 0.01, transition_steps=10)
+    opt = adamw(lr=sched, weight_decay=0.1, eps_root=1e-10)
+    compiles = 0
+
+    def backend(gm, example_inputs):
+        nonlocal compiles
+        compiles += 1
+        return gm.forward
+
+    def update(params, grads, state):
+        updates, state = opt.update(grads, state, params=params, inplace=False)
+        return torchopt.apply_updates(params, updates, inplace=False), state
+
+    compiled = torch.compile(update, fullgraph=True, backend=backend)
+    p_e, s_e = params, opt.init(params)
+    p_c, s_c = params, opt.init(params)
+    for t in range(6):
+        p_e, s_e = update(p_e, _grads(loss, p_e, t), s_e)
+        p_c, s_c = compiled(p_c, _grads(loss, p_c, t), s_c)
+        _assert_close(p_c, p_e, rtol=1e-6, atol=1e-6)
+    assert compiles == 1
+
+
+def test_compiled_with_inductor_equals_eager():
+    params, loss = _problem(torch.float32, seed=5)
+    opt = adam(lr=0.05, weight_decay=0.01)
+
+    def update(params, grads, state):
+        updates, state = opt.update(grads, state, params=params, inplace=False)
+        return torchopt.apply_updates(params, updates, inplace=False), state
+
+    compiled = torch.compile(update, fullgraph=True)
+    p_e, s_e = params, opt.init(params)
+    p_c, s_c = params, opt.init(params)
+    for t in range(4):
+        p_e, s_e = update(p_e, _grads(loss, p_e, t), s_e)
+        p_c, s_c = compiled(p_c, _grads(loss, p_c, t), s_c)
+    _assert_close(p_c, p_e, rtol=1e-5, atol=1e-6)
+    _assert_close(_adam_state(s_c).nu, _adam_state(s_e).nu, rtol=1e-5, atol=1e-9)
+
+
+def _unrolled(opt_fn, w0, x, y, steps, use_func_grad):
+    """Return the loss after ``steps`` differentiable updates of a linear model from ``w0``."""
+
+    def inner_loss(w):
+        return ((x @ w - y) ** 2).mean()
+
+    opt = opt_fn()
+    params = {"w": w0}
+    state = opt.init(params)
+    for _ in range(steps):
+        if use_func_grad:
+            g = torch.func.grad(inner_loss)(params["w"])
+        else:
+            (g,) = torch.autograd.grad(inner_loss(params["w"]), params["w"], create_graph=True)
+        updates, state = opt.update({"w": g}, state, params=params, inplace=False)
+        params = torchopt.apply_updates(params, updates, inplace=False)
+    return inner_loss(params["w"])
+
+
+@pytest.mark.parametrize("which", ["adam", "adamw"])
+def test_differentiable_through_updates(which):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(10, 1, generator=g, dtype=torch.float64)
+    w0 = torch.randn(3, 1, generator=g, dtype=torch.float64)
+    fn = adam if which == "adam" else adamw
+
+    def opt_fn():
+        return fn(lr=0.1, weight_decay=0.05, eps_root=1e-8)
+
+    def outer(w):
+        return _unrolled(opt_fn, w, x, y, 3, use_func_grad=False)
+
+    # finite differences are the reference
+    assert torch.autograd.gradcheck(outer, (w0.clone().requires_grad_(),))
+    w = w0.clone().requires_grad_()
+    (g_autograd,) = torch.autograd.grad(outer(w), w)
+    g_func = torch.func.grad(lambda w: _unrolled(opt_fn, w, x, y, 3, use_func_grad=True))(w0)
+    torch.testing.assert_close(g_func, g_autograd, rtol=1e-10, atol=1e-12)
+    assert g_func.abs().sum() > 0
+
+
+def test_tensor_lr_is_differentiable():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(10, 1, generator=g, dtype=torch.float64)
+    w0 = torch.randn(3, 1, generator=g, dtype=torch.float64)
+
+    def outer(lr):
+        w = w0.clone().requires_grad_()  # the inner autograd.grad needs a graph from step 1
+
+        def opt_fn():
+            return adamw(lr=lr, weight_decay=0.1, eps_root=1e-8)
+
+        return _unrolled(opt_fn, w, x, y, 3, use_func_grad=False)
+
+    lr = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(outer, (lr,))
+    with pytest.raises(ValueError, match=r"0-d tensor, got dtype torch.float64 and shape \(2,\)"):
+        adam(lr=torch.ones(2, dtype=torch.float64))
+
+
+def test_moment_dtype():
+    params, loss = _problem(torch.float32, seed=7)
+    opt = adam(lr=0.01, moment_dtype=torch.float64)
+    state = opt.init(params)
+    assert all(m.dtype == torch.float64 for m in _adam_state(state).mu.values())
+    grads = _grads(loss, params, 0)
+    updates, state = opt.update(grads, state, params=params, inplace=False)
+    assert all(u.dtype == torch.float32 for u in updates.values())
+    assert all(v.dtype == torch.float64 for v in _adam_state(state).nu.values())
+    ref_opt = adam(lr=0.01)
+    params64 = {k: v.double() for k, v in params.items()}
+    ref, _ = ref_opt.update(
+        {k: v.double() for k, v in grads.items()}, ref_opt.init(params64), inplace=False
+    )
+    _assert_close(updates, {k: v.float() for k, v in ref.items()}, rtol=1e-6, atol=0)
+
+
+def test_none_gradient_leaves_state_untouched():
+    opt = scale_by_adam()
+    params = {"a": torch.ones(2), "b": torch.ones(3)}
+    state = opt.init(params)
+    updates, new_state = opt.update({"a": torch.ones(2), "b": None}, state, inplace=False)
+    assert updates["b"] is None
+    assert int(new_state.count["a"]) == 1 and int(new_state.count["b"]) == 0
+    assert torch.equal(new_state.mu["b"], state.mu["b"])
+    torch.testing.assert_close(updates["a"], torch.ones(2))
+
+
+def test_out_of_place():
+    params, loss = _problem(torch.float32)
+    opt = adam(lr=0.1, weight_decay=0.1)
+    state = opt.init(params)
+    grads = _grads(loss, params, 0)
+    before = {k: v.clone() for k, v in grads.items()}
+    _, new_state = opt.update(grads, state, params=params, inplace=True)
+    _assert_close(grads, before, rtol=0, atol=0)
+    assert all(int(c) == 0 for c in _adam_state(state).count.values())
+    assert all(torch.count_nonzero(m) == 0 for m in _adam_state(state).mu.values())
+    assert all(int(c) == 1 for c in _adam_state(new_state).count.values())
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"lr": -1.0}, r"adam\(lr=...\): expected a float >= 0.*got -1.0"),
+        ({"betas": (1.0, 0.9)}, r"betas\[0\] must be in \[0, 1\), got 1.0"),
+        ({"betas": (0.9, -0.1)}, r"betas\[1\]"),
+        ({"eps": -1.0}, r"eps >= 0"),
+        ({"weight_decay": -0.1}, r"weight_decay >= 0, got -0.1"),
+    ],
+)
+def test_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        adam(**kw)
+
+
+def test_weight_decay_needs_params():
+    opt = adam(weight_decay=0.1)
+    params = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match="needs the parameters"):
+        opt.update({"w": torch.ones(2)}, opt.init(params), inplace=False)
