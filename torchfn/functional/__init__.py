@@ -1,5 +1,12 @@
 """Functional core: stateless models, pytree helpers, transforms, train step, checkpoints."""
 
+from torchfn.functional._accountant import DEFAULT_RDP_ORDERS as DEFAULT_RDP_ORDERS
+from torchfn.functional._accountant import RDPAccountant as RDPAccountant
+from torchfn.functional._accountant import compute_rdp as compute_rdp
+from torchfn.functional._accountant import (
+    noise_multiplier_for_epsilon as noise_multiplier_for_epsilon,
+)
+from torchfn.functional._accountant import rdp_to_epsilon as rdp_to_epsilon
 from torchfn.functional._batchnorm import BatchNorm as BatchNorm
 from torchfn.functional._batchnorm import functional_batch_norm as functional_batch_norm
 from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
@@ -37,14 +44,17 @@ from torchfn.functional._transforms import per_sample_grads as per_sample_grads
 from torchfn.functional._transforms import single_sample_fn as single_sample_fn
 
 __all__ = [
+    "DEFAULT_RDP_ORDERS",
     "BatchNorm",
     "CheckpointError",
     "DynamicLossScaler",
     "FunctionalModel",
     "LossScaleState",
+    "RDPAccountant",
     "TrainState",
     "adam",
     "adamw",
+    "compute_rdp",
     "empirical_ntk",
     "functional_batch_norm",
     "hessian_diagonal",
@@ -54,8 +64,10 @@ __all__ = [
     "load_checkpoint",
     "make_functional",
     "make_train_step",
+    "noise_multiplier_for_epsilon",
     "per_sample_grad_norms",
     "per_sample_grads",
+    "rdp_to_epsilon",
     "replace_batchnorm",
     "save_checkpoint",
     "scale_by_adam",
