@@ -29,8 +29,12 @@ def _tool_version(cmd: Sequence[str]) -> str:
     return f"{line.strip()} ({exe})"
 
 
-def doctor_report() -> list[tuple[str, str]]:
-    """Return ``(name, value)`` rows describing torch, devices, compilers and the custom ops."""
+def doctor_report(build_ops: bool = True) -> list[tuple[str, str]]:
+    """Return ``(name, value)`` rows describing torch, devices, compilers and the custom ops.
+
+    ``build_ops`` loads the custom ops (building them first if the cache has none) so that
+    the report says what a call would really use.
+    """
     import torch
 
     rows: list[tuple[str, str]] = []
@@ -65,7 +69,7 @@ def doctor_report() -> list[tuple[str, str]]:
     rows.append(("c++ compiler", _tool_version(["c++", "--version"])))
     rows.append(("ninja", _tool_version(["ninja", "--version"])))
     rows.append(("nvcc", _tool_version(["nvcc", "--version"])))
-    rows.extend(_ops_rows())
+    rows.extend(_ops_rows(build_ops))
     return rows
 
 
@@ -86,22 +90,39 @@ def _usable_devices() -> list[str]:
     return devs
 
 
-def _ops_rows() -> list[tuple[str, str]]:
-    """Rows for the custom ops: built or falling back to the reference twins, and why."""
+def _ops_rows(build: bool = True) -> list[tuple[str, str]]:
+    """Rows for the custom ops: built (or loaded from the cache) or falling back, and why.
+
+    With ``build`` the kernels are loaded now (built first if the cache has none), so the
+    report says what a real call would use; without it, only what this process knows.
+    """
     from torchfn import ops
 
-    status_fn = getattr(ops, "ops_status", None)
-    if status_fn is None:
-        return [("custom ops", "none in this version (pure-PyTorch only)")]
+    rows: list[tuple[str, str]] = []
     try:
-        status = status_fn()
+        if build:
+            report = ops.build_ops()
+            if report["ok"]:
+                rows.append(("ops: kernels", f"{report['action']} in {report['seconds']:.1f} s "
+                                              f"for {', '.join(report['devices'])} "
+                                              f"({report['library']})"))
+            else:
+                rows.append(("ops: kernels", f"NOT built: {report['reason']}"))
+        status = ops.ops_status()
     except Exception as e:  # report, never crash the doctor
-        return [("custom ops", f"status failed: {type(e).__name__}: {e}")]
-    return [(f"ops: {k}", str(v)) for k, v in status.items()]
+        return [*rows, ("ops", f"status failed: {type(e).__name__}: {e}")]
+    backend = status.get("backend", {})
+    rows.append(("ops: backend", ", ".join(f"{d}={b}" for d, b in backend.items())))
+    if status.get("reason"):
+        rows.append(("ops: fallback reason", str(status["reason"])))
+    if status.get("cuda_reason"):
+        rows.append(("ops: no CUDA kernels", str(status["cuda_reason"])))
+    rows.append(("ops: build cache", str(status.get("build_root"))))
+    return rows
 
 
-def _cmd_doctor(_args: argparse.Namespace) -> int:
-    rows = doctor_report()
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    rows = doctor_report(build_ops=not args.no_build)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -118,13 +139,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_build_ops(args: argparse.Namespace) -> int:
     from torchfn import ops
 
-    build = getattr(ops, "build_ops", None)
-    if build is None:
-        print("torchfn build-ops: this version has no custom ops to build")
-        return 0
-    report = build(verbose=args.verbose)
-    print(report)
-    return 0
+    report = ops.build_ops(verbose=args.verbose)
+    for key in ("ok", "action", "devices", "seconds", "library", "reason", "cuda_reason",
+                "build_root"):
+        print(f"{key:<12} {report.get(key)}")
+    if not report["ok"] and report.get("log"):
+        print("--- compiler output (last 40 lines) ---")
+        print("\n".join(str(report["log"]).splitlines()[-40:]))
+    return 0 if report["ok"] else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchfn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="print torch/CUDA/compiler versions, devices and custom-op status")
+    p.add_argument("--no-build", action="store_true",
+                   help="do not load/build the custom ops; report only what is known")
     p.set_defaults(func=_cmd_doctor)
     p = sub.add_parser("demo", help="run the end-to-end demo of the functional core (CPU, < 2 min)")
     p.add_argument("--steps", type=int, default=60, help="training steps (default: 60)")

@@ -1,0 +1,177 @@
+"""The rule that picks, per call, a torchfn kernel or its pure-PyTorch reference twin.
+
+A call goes to the twin when
+
+1. ``TORCHFN_OPS=reference``, or the kernels could not be built (warned once), or no kernel
+   was compiled for the tensor's device type (e.g. CUDA without a toolkit, MPS, meta);
+2. ``torch.compiler.is_compiling()``: Dynamo inlines the ``autograd.Function`` that wraps a
+   kernel and, under ``torch.func.grad``, drops its backward -- the C++ guard in
+   ``csrc/ops.cpp`` (its Autograd block) turns what would be silently zero gradients into an error,
+   and routing to the twin avoids both (Inductor then fuses the twin with its neighbours,
+   which for elementwise ops is also the faster choice). An op that is proven safe and faster
+   under compile can opt out with ``set_rule(op, compile_ok=True)``;
+3. inside two or more ``torch.func`` forward-mode levels (``jacfwd(jacfwd(f))``): torch
+   differentiates an ``autograd.Function``'s ``jvp`` rule wrongly there, silently (the outer
+   level misses the rule's dependence on the primal; pytorch #197867, reproduced for every
+   torchfn op in its tests), so every op uses its twin;
+4. a per-op, per-device rule says the twin is faster at this input in eager mode
+   (``set_rule(op, device, min_numel=..., min_numel_grad=...)``; ``None``: always the
+   twin). ``min_numel_grad`` applies when autograd records the call (the Function's Python
+   overhead is paid twice), ``min_numel`` otherwise. The defaults are set next to each op
+   from ``benchmarks/ops.py`` runs. Under ``vmap`` the size compared is the whole vmapped
+   batch (the kernel runs once on all of it), see :func:`vmapped_numel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from torchfn.ops import _build
+
+__all__ = [
+    "OpRule",
+    "functorch_stack",
+    "get_rule",
+    "nested_forward_ad",
+    "set_rule",
+    "use_kernel",
+    "vmapped_numel",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+    """When one op uses its kernel on one device type.
+
+    ``min_numel``: eager inputs with fewer elements go to the twin (Python and launch
+    overhead dominate); ``None``: eager calls always go to the twin (it is faster at every
+    size measured). ``min_numel_grad``: the same for calls that autograd records (input
+    requires grad and grad mode is on). ``compile_ok``: use the kernel while
+    ``torch.compile`` traces (only for ops whose Function is proven correct there by the test
+    matrix; none is so far).
+    """
+
+    min_numel: int | None = 0
+    min_numel_grad: int | None = 0
+    compile_ok: bool = False
+
+
+_RULES: dict[tuple[str, str], OpRule] = {}
+_COMPILE_OK: set[tuple[str, str]] = set()  # mirror of compile_ok, cheap to test while tracing
+
+
+def set_rule(op: str, device_type: str, **fields: object) -> OpRule:
+    """Set (replace fields of) the dispatch rule of ``op`` on ``device_type``; return it.
+
+    Example:
+        >>> set_rule("sigmoid", "cuda", min_numel=1 << 16)  # doctest: +SKIP
+        OpRule(min_numel=65536, min_numel_grad=0, compile_ok=False)
+    """
+    rule = dataclasses.replace(get_rule(op, device_type), **fields)  # type: ignore[arg-type]
+    _RULES[(op, device_type)] = rule
+    if rule.compile_ok:
+        _COMPILE_OK.add((op, device_type))
+    else:
+        _COMPILE_OK.discard((op, device_type))
+    return rule
+
+
+def get_rule(op: str, device_type: str) -> OpRule:
+    """Return the dispatch rule of ``op`` on ``device_type`` (the default if none was set)."""
+    return _RULES.get((op, device_type), OpRule())
+
+
+def functorch_stack() -> tuple:
+    """Return the active ``torch.func`` interpreters, outermost first (empty outside them).
+
+    torch has no public API for this; the private one is guarded, and a torch without it
+    reports no transforms (the ops' own vmap/jvp rules still apply).
+    """
+    if not torch._C._are_functorch_transforms_active():
+        return ()
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    except ImportError:  # pragma: no cover - a torch without these internals
+        return ()
+    return tuple(retrieve_all_functorch_interpreters())
+
+
+def nested_forward_ad(stack: tuple | None = None) -> bool:
+    """Return True inside two or more ``torch.func`` forward-mode levels (``jacfwd(jacfwd)``).
+
+    There torch mis-differentiates an ``autograd.Function``'s ``jvp`` rule (pytorch #197867),
+    so the public ops use their twins. Reverse-over-forward and forward-over-reverse
+    (``torch.func.hessian``, ``jvp(grad(f))``) are correct and keep the kernels.
+    """
+    stack = functorch_stack() if stack is None else stack
+    if not stack:
+        return False
+    from torch._C._functorch import TransformType
+
+    return sum(i.key() == TransformType.Jvp for i in stack) >= 2
+
+
+def vmapped_numel(x: Tensor, stack: tuple | None = None) -> int:
+    """Return ``x.numel()`` times the batch size of every enclosing ``vmap`` level.
+
+    Inside ``vmap`` a tensor shows its per-sample shape, but the kernel runs once on the whole
+    batch: this is the size that decides whether the kernel pays for its overhead.
+    """
+    stack = functorch_stack() if stack is None else stack
+    numel = x.numel()
+    if stack:
+        from torch._C._functorch import TransformType
+
+        for interpreter in stack:
+            if interpreter.key() == TransformType.Vmap:
+                numel *= interpreter.batch_size()
+    return numel
+
+
+def use_kernel(op: str, x: Tensor) -> bool:
+    """Return True when ``op`` should run its compiled kernel on ``x`` (see module doc)."""
+    if torch.compiler.is_compiling():
+        # Decided from plain Python state only: nothing is built while Dynamo traces.
+        return (op, x.device.type) in _COMPILE_OK and _build.is_loaded_for(x.device.type)
+    if _build.mode() == "reference":  # also validates TORCHFN_OPS on every eager call
+        return False
+    stack = functorch_stack()
+    if nested_forward_ad(stack):
+        return False
+    rule = get_rule(op, x.device.type)
+    recorded = x.requires_grad and torch.is_grad_enabled()
+    min_numel = rule.min_numel_grad if recorded else rule.min_numel
+    if min_numel is None or vmapped_numel(x, stack) < min_numel:
+        return False
+    return _build.has_kernels(x.device.type)
+
+
+def check_float_tensor(op: str, arg: str, x: object) -> None:
+    """Raise a clear error unless ``x`` is a float16/bfloat16/float32/float64 tensor."""
+    if not isinstance(x, Tensor):
+        raise TypeError(
+            f"torchfn.ops.{op}({arg}=...): expected {arg} to be a torch.Tensor, "
+            f"got {type(x).__name__}"
+        )
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"torchfn.ops.{op}({arg}=...): expected a floating-point tensor (float32, "
+            f"float64, float16 or bfloat16), got {arg}.dtype={x.dtype} on device "
+            f"{x.device}; convert it first, e.g. {arg}.float()"
+        )
+
+
+def check_float_scalar(op: str, arg: str, value: object) -> float:
+    """Return ``value`` as a float; raise a clear error unless it is a real Python number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"torchfn.ops.{op}({arg}=...): expected {arg} to be a Python float, got "
+            f"{type(value).__name__}" + (" (pass a float, e.g. float(t))"
+                                         if isinstance(value, Tensor) else "")
+        )
+    return float(value)
