@@ -153,3 +153,10 @@ def assert_close_for_dtype(got: Tensor, want: Tensor) -> None:
     assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
     torch.testing.assert_close(got, want, **TOLERANCES[want.dtype])
+
+
+def need_device(kernels: dict, device: str) -> None:
+    """Fail (not skip) when the kernels were built but not for ``device``."""
+    assert device in kernels["devices"], (
+        f"no {device} kernels were built ({kernels['cuda_reason']})"
+    )

@@ -17,3 +17,16 @@ def _restore_global_state():
     torch.random.set_rng_state(rng)
     torch.set_grad_enabled(grad_enabled)
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def kernels() -> dict:
+    """Build (or load the cached) custom-op kernels once; fail loudly if they do not build."""
+    from torchfn import ops
+    from torchfn.ops import _build
+
+    if _build.mode() == "reference":
+        pytest.skip("TORCHFN_OPS=reference: the kernels are deliberately not built")
+    report = ops.build_ops()
+    assert report["ok"], f"torchfn kernels failed to build: {report['reason']}"
+    return report

@@ -17,9 +17,10 @@ from _op_matrix import (
     derivative,
     matrix_inputs,
 )
+from _op_matrix import need_device as _need_device
 
 from torchfn import ops
-from torchfn.ops import _activations, _build, _dispatch, reference
+from torchfn.ops import _activations, _dispatch, reference
 
 SLOPE = 0.2
 DEFAULT_RULES = dict(_dispatch._RULES)  # as shipped, before the fixture below clears them
@@ -38,27 +39,11 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 1027), (4, 40_000)]  # tails; > 1 parallel chunk
 
 
-@pytest.fixture(scope="module")
-def kernels() -> dict:
-    """Build (or load the cached) kernels once; fail loudly if they do not build."""
-    if _build.mode() == "reference":
-        pytest.skip("TORCHFN_OPS=reference: the kernels are deliberately not built")
-    report = ops.build_ops()
-    assert report["ok"], f"torchfn kernels failed to build: {report['reason']}"
-    return report
-
-
 @pytest.fixture(autouse=True)
 def _kernels_always(monkeypatch):
     """Route every eager call to the kernel here, whatever the benchmark-derived rules say."""
     monkeypatch.setattr(_dispatch, "_RULES", {})
     monkeypatch.setattr(_dispatch, "_COMPILE_OK", set())
-
-
-def _need_device(kernels: dict, device: str) -> None:
-    assert device in kernels["devices"], (
-        f"no {device} kernels were built ({kernels['cuda_reason']})"
-    )
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:

@@ -15,24 +15,15 @@ from collections.abc import Callable
 import pytest
 import torch
 from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES
+from _op_matrix import need_device as _need_device
 from torch import Tensor
 
 from torchfn import ops
-from torchfn.ops import _build, _dispatch, _ghost, reference
+from torchfn.ops import _dispatch, _ghost, reference
 
 F64 = torch.float64
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 METHODS = ("gram", "materialize")
-
-
-@pytest.fixture(scope="module")
-def kernels() -> dict:
-    """Build (or load the cached) kernels once; fail loudly if they do not build."""
-    if _build.mode() == "reference":
-        pytest.skip("TORCHFN_OPS=reference: the kernels are deliberately not built")
-    report = ops.build_ops()
-    assert report["ok"], f"torchfn kernels failed to build: {report['reason']}"
-    return report
 
 
 @pytest.fixture(autouse=True)
@@ -46,12 +37,6 @@ def _kernels_at_every_size():
     yield
     for key, rule in before.items():
         _dispatch.set_rule(*key, **dataclasses.asdict(rule))
-
-
-def _need_device(kernels: dict, device: str) -> None:
-    assert device in kernels["devices"], (
-        f"no {device} kernels were built ({kernels['cuda_reason']})"
-    )
 
 
 def _runs_kernel(a: Tensor, g: Tensor, **kwargs: object) -> bool:

@@ -17,30 +17,15 @@ from _op_matrix import (
     assert_matrix_case,
     matrix_inputs,
 )
+from _op_matrix import need_device as _need_device
 
 import torchfn.functional as F
 from torchfn import ops
-from torchfn.ops import _build, _dispatch, reference
+from torchfn.ops import _dispatch, reference
 from torchfn.ops import _stacked_optim as so
 from torchfn.ops import _stacked_optim_multi as som
 
 F64 = torch.float64
-
-
-@pytest.fixture(scope="module")
-def kernels() -> dict:
-    """Build (or load the cached) kernels once; fail loudly if they do not build."""
-    if _build.mode() == "reference":
-        pytest.skip("TORCHFN_OPS=reference: the kernels are deliberately not built")
-    report = ops.build_ops()
-    assert report["ok"], f"torchfn kernels failed to build: {report['reason']}"
-    return report
-
-
-def _need_device(kernels: dict, device: str) -> None:
-    assert device in kernels["devices"], (
-        f"no {device} kernels were built ({kernels['cuda_reason']})"
-    )
 
 
 def _rand(shape, dtype, device, seed, scale=1.0, positive=False):

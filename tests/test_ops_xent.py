@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES
+from _op_matrix import need_device as _need_device
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 from torchfn import ops
-from torchfn.ops import _build, _dispatch, _xent, reference
+from torchfn.ops import _dispatch, _xent, reference
 
 OP = "softmax_cross_entropy"
 IGNORE = -100
@@ -25,13 +26,10 @@ _IGNORE_DYNAMO_INSTANTIATION = pytest.mark.filterwarnings(
 
 
 @pytest.fixture(scope="module")
-def kernels() -> dict:
-    """Build (or load) the kernels once and route every size to them while this module runs
+def kernels(kernels: dict) -> dict:
+    """The built kernels (conftest), with every size routed to them while this module runs
     (the shipped rules send CPU and small CUDA inputs to the twin, see ``_xent``)."""
-    if _build.mode() == "reference":
-        pytest.skip("TORCHFN_OPS=reference: the kernels are deliberately not built")
-    report = ops.build_ops()
-    assert report["ok"], f"torchfn kernels failed to build: {report['reason']}"
+    report = kernels
     saved = {d: _dispatch.get_rule(OP, d) for d in ("cpu", "cuda")}
     saved_transform = dict(_xent.TRANSFORM_MIN_NUMEL)
     for d in saved:
@@ -41,12 +39,6 @@ def kernels() -> dict:
     for d, rule in saved.items():
         _dispatch.set_rule(OP, d, **vars(rule))
     _xent.TRANSFORM_MIN_NUMEL.update(saved_transform)
-
-
-def _need_device(kernels: dict, device: str) -> None:
-    assert device in kernels["devices"], (
-        f"no {device} kernels were built ({kernels['cuda_reason']})"
-    )
 
 
 def _data(n: int, c: int, dtype: torch.dtype, device: str, seed: int, ignore_every: int = 3,
