@@ -1,15 +1,45 @@
 """Data: shard format, streaming IterableDatasets and samplers that are exact, balanced and resumable."""
 
+from torchfn.data._audit import Auditor as Auditor
+from torchfn.data._audit import AuditReport as AuditReport
+from torchfn.data._audit import audit_plan as audit_plan
 from torchfn.data._episodic import EpisodicBatchSampler as EpisodicBatchSampler
 from torchfn.data._episodic import split_episode as split_episode
+from torchfn.data._plan import Plan as Plan
+from torchfn.data._plan import global_order as global_order
+from torchfn.data._plan import plan as plan
 from torchfn.data._samplers import ClassBalancedSampler as ClassBalancedSampler
+from torchfn.data._shards import CorruptShardError as CorruptShardError
+from torchfn.data._shards import ShardReader as ShardReader
+from torchfn.data._shards import ShardWriter as ShardWriter
+from torchfn.data._shards import VerifyReport as VerifyReport
+from torchfn.data._shards import read_manifest as read_manifest
+from torchfn.data._shards import verify_shards as verify_shards
+from torchfn.data._stream import StreamingDataset as StreamingDataset
+from torchfn.data._stream import StreamingLoader as StreamingLoader
+from torchfn.data._stream import state_from_stateful_loader as state_from_stateful_loader
 from torchfn.data._stream_balance import StreamBalanceReport as StreamBalanceReport
 from torchfn.data._stream_balance import StreamClassBalancer as StreamClassBalancer
 
 __all__ = [
+    "AuditReport",
+    "Auditor",
     "ClassBalancedSampler",
+    "CorruptShardError",
     "EpisodicBatchSampler",
+    "Plan",
+    "ShardReader",
+    "ShardWriter",
     "StreamBalanceReport",
     "StreamClassBalancer",
+    "StreamingDataset",
+    "StreamingLoader",
+    "VerifyReport",
+    "audit_plan",
+    "global_order",
+    "plan",
+    "read_manifest",
     "split_episode",
+    "state_from_stateful_loader",
+    "verify_shards",
 ]

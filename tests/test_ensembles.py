@@ -1,0 +1,307 @@
+"""Ensembles: build/apply, vmapped training == N torch.optim models, compile, metrics, io."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torchopt
+from torch import nn
+
+from torchfn.ensembles._build import Ensemble, ensemble_apply
+from torchfn.ensembles._io import load_ensemble, save_ensemble
+from torchfn.ensembles._metrics import (
+    ensemble_metrics,
+    ensemble_probs,
+    expected_calibration_error,
+    member_disagreement,
+    negative_log_likelihood,
+    predictive_variance,
+)
+from torchfn.ensembles._train import (
+    init_ensemble_state,
+    make_ensemble_train_step,
+    member_batches,
+    member_orders,
+    per_member_optimizer,
+)
+from torchfn.functional import step_rng
+from torchfn.ops import stacked_adam, stacked_sgd
+
+N, B, D, H, C = 3, 6, 5, 7, 4
+F64 = torch.float64
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, C)).to(F64)
+
+
+def data(seed: int = 0, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lead = () if shared else (N,)
+    return (torch.randn(*lead, B, D, generator=g, dtype=F64),
+            torch.randint(C, (*lead, B), generator=g))
+
+
+def reference_run(optim_factory, steps: int, shared: bool = False) -> list[nn.Module]:
+    """Train N separate modules with torch.optim; member n uses optim_factory(n, params)."""
+    models = []
+    for n in range(N):
+        torch.manual_seed(n)
+        models.append(mlp())
+    opts = [optim_factory(n, m.parameters()) for n, m in enumerate(models)]
+    for t in range(steps):
+        x, y = data(t, shared)
+        for n, (m, o) in enumerate(zip(models, opts, strict=True)):
+            xn, yn = (x, y) if shared else (x[n], y[n])
+            o.zero_grad()
+            nn.functional.cross_entropy(m(xn), yn).backward()
+            o.step()
+    return models
+
+
+def run_ensemble(opt, steps: int, shared: bool = False, compile_backend=None, chunk_size=None):
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    state = init_ensemble_state(ens, opt, seed=0)
+    step = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt,
+                                    shared_batch=shared, chunk_size=chunk_size)
+    if compile_backend is not None:
+        step = torch.compile(step, backend=compile_backend, fullgraph=True)
+    for t in range(steps):
+        state, metrics = step(state, data(t, shared))
+    return ens, state, metrics
+
+
+def assert_matches(ens: Ensemble, state, models: list[nn.Module]) -> None:
+    for n, m in enumerate(models):
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(state.params[k][n], p.detach(), rtol=1e-10, atol=1e-12)
+
+
+LR = torch.tensor([1e-3, 3e-2, 1e-1], dtype=F64)
+WD = torch.tensor([0.0, 1e-2, 0.3], dtype=F64)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_adam_per_member_lr_wd_matches_torch_optim(shared: bool) -> None:
+    ens, state, metrics = run_ensemble(stacked_adam(lr=LR, weight_decay=WD), 4, shared)
+    models = reference_run(lambda n, p: torch.optim.Adam(p, lr=float(LR[n]),
+                                                         weight_decay=float(WD[n])), 4, shared)
+    assert_matches(ens, state, models)
+    assert metrics["loss"].shape == (N,) and metrics["grad_norm"].shape == (N,)
+    # members as ordinary modules give the same outputs as the reference models
+    x = data(9, shared=True)[0]
+    for n, m in enumerate(ens.members(state.params, state.buffers)):
+        torch.testing.assert_close(m(x), models[n](x), rtol=1e-10, atol=1e-12)
+
+
+def test_per_member_hyperparameters_really_differ() -> None:
+    # same init for every member, same data: only the (N,) lr / wd can make them differ
+    shared_lr = torch.full((N,), float(LR[1]), dtype=F64)
+    _, same, _ = run_ensemble(stacked_adam(lr=shared_lr), 3, shared=True)
+    _, diff, _ = run_ensemble(stacked_adam(lr=LR, weight_decay=WD), 3, shared=True)
+    init = Ensemble.from_seeds(mlp, seeds=range(N)).params["0.weight"]
+    moved = (diff.params["0.weight"] - init).flatten(1).norm(dim=1)
+    assert moved[0] < moved[1] < moved[2]
+    assert not torch.allclose(diff.params["0.weight"][1], same.params["0.weight"][1])
+
+
+def test_sgd_momentum_nesterov_matches_torch_optim() -> None:
+    opt = stacked_sgd(lr=LR * 10, momentum=0.9, weight_decay=WD, nesterov=True)
+    ens, state, _ = run_ensemble(opt, 4)
+    models = reference_run(lambda n, p: torch.optim.SGD(
+        p, lr=float(LR[n] * 10), momentum=0.9, weight_decay=float(WD[n]), nesterov=True), 4)
+    assert_matches(ens, state, models)
+
+
+def test_per_member_optimizer_vmapped_torchopt_matches_torch_optim() -> None:
+    lrs = LR * 10
+    opt = per_member_optimizer(lambda lr: torchopt.sgd(lambda _: lr), {"lr": lrs})
+    ens, state, _ = run_ensemble(opt, 3)
+    models = reference_run(lambda n, p: torch.optim.SGD(p, lr=float(lrs[n])), 3)
+    assert_matches(ens, state, models)
+
+
+def test_chunked_training_equals_unchunked() -> None:
+    _, a, _ = run_ensemble(stacked_adam(lr=LR), 2)
+    _, b, _ = run_ensemble(stacked_adam(lr=LR), 2, chunk_size=2)
+    for k in a.params:
+        torch.testing.assert_close(a.params[k], b.params[k], rtol=1e-12, atol=1e-14)
+
+
+def test_compiled_equals_eager_without_recompiles() -> None:
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    opt = stacked_adam(lr=LR, weight_decay=WD)
+    _, eager, _ = run_ensemble(opt, 4)
+    _, comp, _ = run_ensemble(opt, 4, compile_backend=counting_backend)
+    assert len(compiles) == 1, f"expected one compile over 4 steps, got {len(compiles)}"
+    for k in eager.params:
+        torch.testing.assert_close(comp.params[k], eager.params[k], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(comp.opt_state.nu["2.bias"], eager.opt_state.nu["2.bias"])
+    assert int(comp.step) == 4
+
+
+def test_compiled_inductor_equals_eager() -> None:
+    torch._dynamo.reset()
+    opt = stacked_sgd(lr=LR, momentum=0.9)
+    _, eager, _ = run_ensemble(opt, 2)
+    _, comp, _ = run_ensemble(opt, 2, compile_backend="inductor")
+    for k in eager.params:
+        torch.testing.assert_close(comp.params[k], eager.params[k], rtol=1e-9, atol=1e-11)
+
+
+def dropout_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(D, 32), nn.Dropout(0.5), nn.Linear(32, C)).to(F64)
+
+
+def test_dropout_randomness_per_member_and_seeded() -> None:
+    # identical members (same seed), same batch: only dropout masks can differ
+    ens = Ensemble.from_seeds(dropout_net, seeds=[0] * N)
+    x = data(0, shared=True)[0]
+    with pytest.raises(RuntimeError, match="randomness"):
+        ens(x)
+    out, _ = ens(x, randomness="different")
+    assert not torch.allclose(out[0], out[1])
+    same, _ = ens(x, randomness="same")
+    torch.testing.assert_close(same[0], same[1])
+    opt = stacked_sgd(lr=0.1)
+    step = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt,
+                                    shared_batch=True, randomness="different")
+    state = init_ensemble_state(ens, opt, seed=5)
+    _, m1 = step(state, data(0, shared=True))
+    _, m2 = step(state, data(0, shared=True))  # seeded from (seed, step): repeatable
+    torch.testing.assert_close(m1["loss"], m2["loss"], rtol=0, atol=0)
+    assert len(set(m1["loss"].tolist())) == N  # each member got its own masks
+    with step_rng(state):  # the eager step used exactly this generator state
+        ref, _ = ensemble_apply(ens.model_fn, ens.params, ens.buffers, x,
+                                randomness="different")
+    torch.testing.assert_close(
+        torch.stack([nn.functional.cross_entropy(o, data(0, shared=True)[1]) for o in ref]),
+        m1["loss"])
+
+
+def test_apply_shared_per_member_and_chunked() -> None:
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    x, _ = data(1)
+    out, _ = ens(x, per_member=True)
+    out_c, _ = ens(x, per_member=True, chunk_size=2)
+    shared, _ = ens(x[0])
+    assert out.shape == (N, B, C)
+    for n, m in enumerate(ens.members()):
+        torch.testing.assert_close(out[n], m(x[n]))
+        torch.testing.assert_close(shared[n], m(x[0]))
+    torch.testing.assert_close(out_c, out)
+
+
+def test_batchnorm_ensemble_buffers_per_member() -> None:
+    def bn_net() -> nn.Module:
+        return nn.Sequential(nn.Linear(D, H), nn.BatchNorm1d(H), nn.Linear(H, C)).to(F64)
+    ens = Ensemble.from_seeds(bn_net, seeds=range(N))
+    x, _ = data(2)
+    out, new_buffers = ens(x, per_member=True)
+    for n in range(N):
+        m = ens.member(n)
+        torch.testing.assert_close(out[n], m(x[n]))
+        torch.testing.assert_close(new_buffers["1.running_mean"][n], m[1].running_mean)
+
+
+def test_bad_architecture_and_mismatched_n_errors() -> None:
+    with pytest.raises(ValueError, match=r"member 1 .*'0.weight' has shape \(8, 5\)"):
+        Ensemble.from_modules([mlp(), nn.Sequential(nn.Linear(D, 8), nn.Tanh(),
+                                                    nn.Linear(8, C)).to(F64)])
+    with pytest.raises(ValueError, match=r"member 2 .*'1' is a ReLU, expected a Tanh"):
+        Ensemble.from_modules([mlp(), mlp(), nn.Sequential(nn.Linear(D, H), nn.ReLU(),
+                                                           nn.Linear(H, C)).to(F64)])
+    with pytest.raises(ValueError, match=r"member 1 .*'0.weight' is torch.float32"):
+        Ensemble.from_modules([mlp(), mlp().float()])
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    with pytest.raises(ValueError, match=r"\(N,\) = \(3,\).*got shape \(2,\)"):
+        init_ensemble_state(ens, stacked_adam(lr=torch.ones(2, dtype=F64)), seed=0)
+    with pytest.raises(ValueError, match=r"weight_decay.*got shape \(4,\)"):
+        init_ensemble_state(ens, stacked_sgd(lr=0.1, weight_decay=torch.ones(4, dtype=F64)),
+                            seed=0)
+    opt = stacked_sgd(lr=0.1)
+    step = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt)
+    state = init_ensemble_state(ens, opt, seed=0)
+    x, y = data(0)
+    with pytest.raises(ValueError, match=r"N=3 members along dim 0.*got \(2, 6, 5\) for inputs"):
+        step(state, (x[:2], y))
+    with pytest.raises(ValueError, match=r"got \(6,\) for targets"):
+        step(state, (x, y[0]))
+    with pytest.raises(ValueError, match=r"per_member=True.*got shape \(2, 6, 5\)"):
+        ens(x[:2], per_member=True)
+    with pytest.raises(ValueError, match=r"hyperparams\['lr'\] has 2 values.*N=3"):
+        init_ensemble_state(ens, per_member_optimizer(lambda lr: torchopt.sgd(lambda _: lr),
+                                                      {"lr": torch.ones(2)}), seed=0)
+
+
+def test_member_orders_and_batches() -> None:
+    orders = member_orders(10, seeds=[0, 1, 2])
+    for row in orders:
+        assert sorted(row.tolist()) == list(range(10))
+    assert not torch.equal(orders[0], orders[1])
+    torch.testing.assert_close(orders, member_orders(10, seeds=[0, 1, 2]))
+    assert not torch.equal(orders, member_orders(10, seeds=[0, 1, 2], epoch=1))
+    boot = member_orders(50, seeds=[0, 1], bootstrap=True)
+    assert boot.shape == (2, 50) and len(set(boot[0].tolist())) < 50
+    x, y = torch.arange(10.0)[:, None] * 10, torch.arange(10)
+    batches = list(member_batches((x, y), orders, 4))
+    assert len(batches) == 2
+    xb, yb = batches[1]
+    assert xb.shape == (3, 4, 1) and torch.equal(yb, orders[:, 4:8])
+    torch.testing.assert_close(xb[..., 0], yb.double().float() * 10)
+
+
+def test_metrics_against_loops() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(N, 40, C, generator=g, dtype=F64) * 2
+    y = torch.randint(C, (40,), generator=g)
+    probs = ensemble_probs(logits)
+    ref = sum(torch.softmax(logits[n], -1) for n in range(N)) / N
+    torch.testing.assert_close(probs, ref)
+    torch.testing.assert_close(predictive_variance(logits), torch.stack(
+        [torch.softmax(logits[n], -1) for n in range(N)]).var(0, unbiased=False))
+    torch.testing.assert_close(negative_log_likelihood(probs, y),
+                               -torch.log(ref[torch.arange(40), y]).mean())
+    pred = logits.argmax(-1)
+    pairs = [(i, j) for i in range(N) for j in range(N) if i != j]
+    dis = sum((pred[i] != pred[j]).double().mean() for i, j in pairs) / len(pairs)
+    torch.testing.assert_close(member_disagreement(logits), dis)
+    # ECE by an explicit loop over bins
+    conf, hat = probs.max(-1)
+    ece = torch.zeros((), dtype=F64)
+    for k in range(10):
+        mask = (conf > k / 10) & (conf <= (k + 1) / 10)
+        if mask.any():
+            ece += mask.double().mean() * ((hat[mask] == y[mask]).double().mean()
+                                           - conf[mask].mean()).abs()
+    torch.testing.assert_close(expected_calibration_error(probs, y, n_bins=10), ece)
+    m = ensemble_metrics(logits, y)
+    torch.testing.assert_close(m["accuracy"], (probs.argmax(-1) == y).double().mean())
+    with pytest.raises(ValueError, match=r"\(N, B, C\)"):
+        ensemble_probs(logits[0])
+
+
+def test_save_load_roundtrip_resumes_identically(tmp_path) -> None:
+    opt = stacked_adam(lr=LR, weight_decay=WD)
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    step = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt)
+    state = init_ensemble_state(ens, opt, seed=0)
+    state, _ = step(state, data(0))
+    path = os.path.join(tmp_path, "ens.pt")
+    save_ensemble(path, state, extra={"epoch": 1})
+    loaded, extra = load_ensemble(path, optimizer=opt, n_members=N)
+    assert extra == {"epoch": 1}
+    a, _ = step(state, data(1))
+    b, _ = step(loaded, data(1))
+    for k in a.params:
+        torch.testing.assert_close(b.params[k], a.params[k], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="holds 3 members"):
+        load_ensemble(path, optimizer=opt, n_members=4)

@@ -1,0 +1,452 @@
+"""Shard format: fixed-size shard files with an index and per-sample CRC32, read by memory mapping.
+
+The byte layout is documented in ``torchfn/data/README.md``. In short, one shard file is::
+
+    [0:8)    magic  b"TFSHARD\\x01"
+    [8:16)   header length H (uint64, little endian)
+    [16:20)  CRC32 of the header bytes (uint32, little endian)
+    [20:32)  zero
+    [32:32+H) header: UTF-8 JSON (num_samples, labels, per-field dtype/shape/offsets,
+              per-sample CRC32, file_bytes)
+    ...      zero padding to a 64-byte boundary, then one 64-byte-aligned data block per field
+
+A field whose samples all share one shape is stored as one contiguous ``(n, *shape)`` array
+("fixed" layout: reading sample ``i`` is a zero-copy view); otherwise its samples are stored back
+to back with per-sample byte offsets and shapes ("ragged" layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MAGIC",
+    "MANIFEST",
+    "CorruptShardError",
+    "ShardReader",
+    "ShardWriter",
+    "VerifyReport",
+    "read_manifest",
+    "verify_shards",
+]
+
+MAGIC = b"TFSHARD\x01"
+MANIFEST = "manifest.json"
+_PREFIX = 32
+_ALIGN = 64
+_FORMAT = "torchfn.shards"
+_VERSION = 1
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    )
+}
+
+
+class CorruptShardError(RuntimeError):
+    """A shard (or one sample of it) failed its structural check or its CRC32."""
+
+    def __init__(self, path: str | os.PathLike[str], index: int | None, reason: str) -> None:
+        self.path = str(path)
+        self.index = index
+        self.reason = reason
+        where = "header" if index is None else f"sample {index}"
+        super().__init__(
+            f"corrupt shard {self.path!r} ({where}): {reason}. Re-write the shard, or pass "
+            "on_corrupt='skip' to skip and report the affected samples."
+        )
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu()
+    elif isinstance(value, np.ndarray | np.generic | int | float | bool):
+        t = torch.as_tensor(np.ascontiguousarray(value))
+    else:
+        raise TypeError(
+            f"ShardWriter.write: field {name!r} must be a torch.Tensor or numpy array, "
+            f"got {type(value).__name__}"
+        )
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise TypeError(f"ShardWriter.write: field {name!r} has unsupported dtype {t.dtype}")
+    return t.contiguous()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _atomic_write(path: Path, chunks: Sequence[bytes]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _encode_shard(samples: list[dict[str, torch.Tensor]], labels: list[int]) -> list[bytes]:
+    n = len(samples)
+    names = sorted(samples[0])
+    for i, s in enumerate(samples):
+        if sorted(s) != names:
+            raise ValueError(
+                f"ShardWriter.write: every sample of a shard needs the same fields; expected "
+                f"{names}, got {sorted(s)} for sample {i} of the shard"
+            )
+    fields: dict[str, dict[str, Any]] = {}
+    blocks: list[list[bytes]] = []
+    crcs = [0] * n
+    for name in names:
+        dtypes = {s[name].dtype for s in samples}
+        if len(dtypes) != 1:
+            raise ValueError(f"ShardWriter.write: field {name!r} has mixed dtypes {dtypes}")
+        shapes = [list(s[name].shape) for s in samples]
+        raw = [_tensor_bytes(s[name]) for s in samples]
+        for i, b in enumerate(raw):
+            crcs[i] = zlib.crc32(b, crcs[i])
+        meta: dict[str, Any] = {"dtype": str(dtypes.pop()).removeprefix("torch.")}
+        if all(sh == shapes[0] for sh in shapes):
+            meta["shape"] = shapes[0]
+            meta["nbytes"] = len(raw[0])
+        else:
+            meta["shapes"] = shapes
+            offs = np.cumsum([0] + [len(b) for b in raw]).tolist()
+            meta["offsets"] = offs
+        fields[name] = meta
+        blocks.append(raw)
+    header: dict[str, Any] = {
+        "format": _FORMAT, "version": _VERSION, "num_samples": n, "labels": labels,
+        "fields": fields, "crc32": crcs,
+    }
+    # Offsets depend on the header length, which depends on the offsets: iterate to a fixed point.
+    offset_guess = 0
+    while True:
+        pos = offset_guess
+        for name, raw in zip(names, blocks, strict=True):
+            fields[name]["offset"] = pos
+            pos = _align(pos + sum(len(b) for b in raw))
+        header["file_bytes"] = pos
+        hbytes = json.dumps(header, separators=(",", ":")).encode()
+        data_start = _align(_PREFIX + len(hbytes))
+        if data_start == offset_guess:
+            break
+        offset_guess = data_start
+    out = [MAGIC, struct.pack("<QI", len(hbytes), zlib.crc32(hbytes)), b"\0" * 12, hbytes]
+    pos = _PREFIX + len(hbytes)
+    for name, raw in zip(names, blocks, strict=True):
+        start = fields[name]["offset"]
+        out.append(b"\0" * (start - pos))
+        out.extend(raw)
+        pos = start + sum(len(b) for b in raw)
+    out.append(b"\0" * (header["file_bytes"] - pos))
+    return out
+
+
+class ShardWriter:
+    """Writes samples into fixed-size shard files plus a ``manifest.json``; a context manager.
+
+    Each ``write(sample, label)`` appends one sample (a dict of tensors / numpy arrays, any
+    shapes, one dtype per field) with an integer class label. Every ``samples_per_shard``
+    samples a shard ``shard-NNNNN.tfs`` is written atomically (temp file + fsync + rename) and
+    the manifest (shards, sample counts, labels) is rewritten atomically, so a crash leaves
+    only complete shards listed. ``close()`` flushes the last, possibly shorter, shard.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> with ShardWriter(d, samples_per_shard=2) as w:
+        ...     for i in range(5):
+        ...         w.write({"x": torch.full((3,), float(i))}, label=i % 2)
+        >>> [s["num_samples"] for s in read_manifest(d)["shards"]]
+        [2, 2, 1]
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, samples_per_shard: int) -> None:
+        if not isinstance(samples_per_shard, int) or samples_per_shard < 1:
+            raise ValueError(
+                f"ShardWriter(samples_per_shard=...): expected a positive int, got "
+                f"{samples_per_shard!r}"
+            )
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if (self.root / MANIFEST).exists():
+            raise FileExistsError(
+                f"ShardWriter({str(self.root)!r}): a manifest already exists there; write into "
+                "an empty directory"
+            )
+        self.samples_per_shard = samples_per_shard
+        self._samples: list[dict[str, torch.Tensor]] = []
+        self._labels: list[int] = []
+        self._shards: list[dict[str, Any]] = []
+        self._schema: dict[str, dict[str, Any]] | None = None
+        self._closed = False
+
+    def write(self, sample: Mapping[str, Any], label: int) -> None:
+        """Appends one sample; returns nothing. ``label`` is the sample's integer class."""
+        if self._closed:
+            raise RuntimeError("ShardWriter.write: the writer is closed")
+        if not sample:
+            raise ValueError("ShardWriter.write: a sample needs at least one field")
+        if "label" in sample:
+            raise ValueError("ShardWriter.write: 'label' is reserved; pass it as label=...")
+        self._samples.append({str(k): _as_tensor(str(k), v) for k, v in sample.items()})
+        self._labels.append(int(label))
+        if len(self._samples) == self.samples_per_shard:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._samples:
+            return
+        name = f"shard-{len(self._shards):05d}.tfs"
+        chunks = _encode_shard(self._samples, self._labels)
+        schema = {
+            k: {"dtype": str(v.dtype).removeprefix("torch.")} for k, v in self._samples[0].items()
+        }
+        if self._schema is None:
+            self._schema = schema
+        elif schema != self._schema:
+            raise ValueError(
+                f"ShardWriter.write: fields/dtypes changed between shards: {self._schema} "
+                f"then {schema}"
+            )
+        _atomic_write(self.root / name, chunks)
+        self._shards.append({
+            "file": name, "num_samples": len(self._samples), "labels": self._labels,
+            "bytes": sum(len(c) for c in chunks),
+        })
+        self._samples, self._labels = [], []
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        manifest = {
+            "format": _FORMAT, "version": _VERSION,
+            "num_samples": sum(s["num_samples"] for s in self._shards),
+            "fields": self._schema or {}, "shards": self._shards,
+        }
+        _atomic_write(self.root / MANIFEST, [json.dumps(manifest).encode()])
+
+    def close(self) -> None:
+        """Flushes the last shard and writes the final manifest; returns nothing."""
+        if not self._closed:
+            self._flush()
+            if not self._shards:
+                self._write_manifest()
+            self._closed = True
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_manifest(root: str | os.PathLike[str]) -> dict[str, Any]:
+    """Returns the manifest dict of a shard directory (``shards``: file, num_samples, labels)."""
+    path = Path(root) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no {MANIFEST} in {str(root)!r}: write the shards with ShardWriter first"
+        ) from None
+    if manifest.get("format") != _FORMAT:
+        raise ValueError(f"{str(path)!r} is not a torchfn shard manifest")
+    return manifest
+
+
+@dataclass
+class ShardReader:
+    """Memory-maps one shard file; returns zero-copy tensors of its samples.
+
+    Opening checks the magic, the header CRC32 and the file length. Samples the file is too
+    short to hold are listed in ``bad`` (index -> reason); if the header itself is unreadable,
+    ``CorruptShardError`` is raised (``index=None``). ``sample(i)`` checks sample ``i``'s CRC32
+    when ``verify`` is true and raises ``CorruptShardError`` naming the file and ``i``.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> with ShardWriter(d, samples_per_shard=4) as w:
+        ...     w.write({"x": torch.arange(3.0)}, label=7)
+        >>> r = ShardReader(f"{d}/shard-00000.tfs")
+        >>> r.sample(0)["x"].tolist(), r.labels[0]
+        ([0.0, 1.0, 2.0], 7)
+    """
+
+    path: str
+    num_samples: int = 0
+    labels: list[int] = field(default_factory=list)
+    bad: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.path = str(self.path)
+        try:
+            size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                prefix = f.read(_PREFIX)
+                if len(prefix) < _PREFIX or prefix[:8] != MAGIC:
+                    raise CorruptShardError(self.path, None, "bad magic or file too short")
+                hlen, hcrc = struct.unpack("<QI", prefix[8:20])
+                hbytes = f.read(hlen)
+        except OSError as e:
+            raise CorruptShardError(self.path, None, f"cannot read: {e}") from e
+        if len(hbytes) != hlen or zlib.crc32(hbytes) != hcrc:
+            raise CorruptShardError(self.path, None, "header truncated or CRC32 mismatch")
+        header = json.loads(hbytes)
+        self.num_samples = n = int(header["num_samples"])
+        self.labels = list(header["labels"])
+        self.crc32: list[int] = list(header["crc32"])
+        self.fields: dict[str, dict[str, Any]] = header["fields"]
+        self.file_bytes = int(header["file_bytes"])
+        self._buf = np.memmap(self.path, dtype=np.uint8, mode="c", shape=(size,)) if size else (
+            np.zeros(0, np.uint8))
+        raw = torch.from_numpy(self._buf)
+        self._fixed: dict[str, torch.Tensor] = {}
+        self._spans: list[np.ndarray] = []  # per field: (n, 2) byte ranges of each sample
+        for name, meta in self.fields.items():
+            off = int(meta["offset"])
+            if "shape" in meta:
+                nb = int(meta["nbytes"])
+                starts = off + nb * np.arange(n, dtype=np.int64)
+                spans = np.stack([starts, starts + nb], 1)
+                end = min(off + nb * n, size)
+                usable = max(0, (end - off) // nb) if nb else n
+                dt = _DTYPES[meta["dtype"]]
+                view = raw[off : off + nb * usable] if nb else raw[0:0]
+                self._fixed[name] = view.view(dt).view(usable, *meta["shape"]) if nb else (
+                    torch.empty((n, *meta["shape"]), dtype=dt))
+            else:
+                o = np.asarray(meta["offsets"], dtype=np.int64) + off
+                spans = np.stack([o[:-1], o[1:]], 1)
+            self._spans.append(spans)
+        for spans in self._spans:
+            for i in np.nonzero(spans[:, 1] > size)[0].tolist():
+                self.bad.setdefault(i, f"truncated: file has {size} of {self.file_bytes} bytes")
+        self._raw = raw
+        self._mv = memoryview(self._buf).cast("B") if size else memoryview(b"")
+        self._span_list = [s.tolist() for s in self._spans]
+
+    def check(self, i: int) -> bool:
+        """Returns whether sample ``i``'s bytes match its stored CRC32."""
+        if i in self.bad:
+            return False
+        crc = 0
+        mv = self._mv
+        for spans in self._span_list:
+            a, b = spans[i]
+            crc = zlib.crc32(mv[a:b], crc)
+        return crc == self.crc32[i]
+
+    def _raise_if_bad(self, i: int) -> None:
+        if i in self.bad:
+            raise CorruptShardError(self.path, i, self.bad[i])
+        if not self.check(i):
+            raise CorruptShardError(self.path, i, "CRC32 mismatch")
+
+    def sample(self, i: int, *, verify: bool = True) -> dict[str, torch.Tensor]:
+        """Returns sample ``i`` as ``{field: tensor}`` (zero-copy views for fixed fields)."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"ShardReader.sample: index {i} out of range [0, {self.num_samples})")
+        if verify:
+            self._raise_if_bad(i)
+        elif i in self.bad:
+            raise CorruptShardError(self.path, i, self.bad[i])
+        out = {}
+        for (name, meta), spans in zip(self.fields.items(), self._spans, strict=True):
+            if name in self._fixed:
+                out[name] = self._fixed[name][i]
+            else:
+                a, b = spans[i]
+                t = self._raw[a:b].view(_DTYPES[meta["dtype"]])
+                out[name] = t.view(*meta["shapes"][i])
+        return out
+
+    def fixed(self, name: str) -> torch.Tensor | None:
+        """Returns the ``(n, *shape)`` zero-copy tensor of a fixed-shape field, else None."""
+        return self._fixed.get(name)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of ``verify_shards``: the bad samples as (global id, file, index, reason)."""
+
+    num_samples: int
+    bad: tuple[tuple[int, str, int, str], ...]
+
+    @property
+    def bad_ids(self) -> list[int]:
+        """Global ids (manifest order) of the samples that failed."""
+        return [b[0] for b in self.bad]
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+
+def _open_or_report(path: Path, n: int) -> tuple[ShardReader | None, dict[int, str]]:
+    try:
+        r = ShardReader(str(path))
+    except CorruptShardError as e:
+        return None, dict.fromkeys(range(n), e.reason)
+    if r.num_samples != n:
+        return None, dict.fromkeys(
+            range(n), f"manifest says {n} samples, shard header says {r.num_samples}"
+        )
+    return r, dict(r.bad)
+
+
+def verify_shards(root: str | os.PathLike[str], *, full: bool = True) -> VerifyReport:
+    """Returns a ``VerifyReport`` listing every sample of ``root`` that is unreadable.
+
+    ``full=False`` only checks the headers and file lengths (cheap: one small read per shard);
+    ``full=True`` also checks every sample's CRC32 (reads all the data once).
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> with ShardWriter(d, samples_per_shard=2) as w:
+        ...     for i in range(3):
+        ...         w.write({"x": torch.zeros(2)}, label=0)
+        >>> verify_shards(d).ok
+        True
+    """
+    manifest = read_manifest(root)
+    bad: list[tuple[int, str, int, str]] = []
+    base = 0
+    for shard in manifest["shards"]:
+        path = Path(root) / shard["file"]
+        n = int(shard["num_samples"])
+        reader, errs = _open_or_report(path, n)
+        if reader is not None and full:
+            for i in range(n):
+                if i not in errs and not reader.check(i):
+                    errs[i] = "CRC32 mismatch"
+        bad.extend((base + i, str(path), i, errs[i]) for i in sorted(errs))
+        base += n
+    return VerifyReport(num_samples=base, bad=tuple(bad))

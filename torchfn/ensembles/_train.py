@@ -1,0 +1,277 @@
+"""Train all members of an ensemble in one pure step: vmapped loss and grad, one stacked update.
+
+The state is a :class:`torchfn.functional.TrainState` whose params, buffers and optimizer state
+are stacked ``(N, ...)``, so checkpoints, :func:`torchfn.functional.step_rng` and
+``torch.compile`` work as for one model.
+
+Randomness (dropout): the step runs the members under ``vmap(randomness=...)``. With
+``"different"`` every member draws its own masks from the global generator; in eager mode the
+step seeds that generator from ``(state.seed, state.step)`` inside a fork
+(:func:`torchfn.functional.step_rng`), so a step is reproducible and a resumed run repeats it
+bitwise. A compiled step cannot seed a generator: call it inside ``with step_rng(state):``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+from torchopt.base import GradientTransformation
+from torchopt.typing import OptState, Params, Updates
+from torchopt.update import apply_updates
+
+from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
+from torchfn.functional._train_step import TrainState, init_train_state, step_rng
+
+__all__ = [
+    "init_ensemble_state",
+    "make_ensemble_train_step",
+    "member_batches",
+    "member_orders",
+    "per_member_optimizer",
+]
+
+Batch = tuple[Any, Any]
+
+
+def init_ensemble_state(ensemble: Ensemble, optimizer: GradientTransformation, *,
+                        seed: int) -> TrainState:
+    """Return the initial stacked :class:`TrainState` of ``ensemble`` for ``optimizer``.
+
+    ``optimizer`` works on stacked ``(N, ...)`` leaves: :func:`torchfn.ops.stacked_adam` /
+    :func:`torchfn.ops.stacked_sgd` (per-member ``(N,)`` lr and weight decay), an elementwise
+    torchopt transformation with shared hyperparameters, or :func:`per_member_optimizer`.
+    ``seed`` seeds the step randomness (dropout), see :func:`make_ensemble_train_step`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torchfn.ensembles import Ensemble, init_ensemble_state
+        >>> from torchfn.ops import stacked_adam
+        >>> ens = Ensemble.from_seeds(lambda: nn.Linear(3, 2), seeds=range(4))
+        >>> state = init_ensemble_state(ens, stacked_adam(lr=torch.full((4,), 1e-3)), seed=0)
+        >>> state.opt_state.mu["weight"].shape
+        torch.Size([4, 2, 3])
+    """
+    return init_train_state(ensemble.params, ensemble.buffers, optimizer, seed=seed)
+
+
+def _check_batch(where: str, batch: Any, n: int, shared: bool) -> tuple[Any, Any]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"{where}: batch must be a pair (inputs, targets), got "
+                        f"{type(batch).__name__}")
+    if not shared:
+        paths, leaves, _ = optree.tree_flatten_with_path(tuple(batch))
+        for path, leaf in zip(paths, leaves, strict=True):
+            if isinstance(leaf, Tensor) and (leaf.ndim == 0 or leaf.shape[0] != n):
+                name = ("inputs", "targets")[path[0]] + "".join(f"[{p!r}]" for p in path[1:])
+                raise ValueError(
+                    f"{where}: with shared_batch=False every batch tensor must have the N={n} "
+                    f"members along dim 0, shape ({n}, B, ...); got {_fmt(leaf.shape)} for "
+                    f"{name}. Use member_batches(...) to build per-member batches, or "
+                    "shared_batch=True to give every member the same batch (B, ...)"
+                )
+    return batch[0], batch[1]
+
+
+def make_ensemble_train_step(
+    model_fn: Callable[..., tuple[Any, dict[str, Tensor]]],
+    loss_fn: Callable[[Any, Any], Tensor],
+    optimizer: GradientTransformation,
+    *,
+    shared_batch: bool = False,
+    randomness: str = "error",
+    chunk_size: int | None = None,
+    seed_rng: bool = True,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Tensor]]]:
+    """Return a pure ``step(state, batch) -> (new_state, metrics)`` training all N members.
+
+    ``state`` comes from :func:`init_ensemble_state` (every leaf ``(N, ...)``);
+    ``batch = (inputs, targets)``, by default one batch per member, every tensor
+    ``(N, B, ...)``; with ``shared_batch=True`` all members see the same ``(B, ...)``. Per
+    member: ``outputs, new_buffers = model_fn(params, buffers, inputs)``,
+    ``loss = loss_fn(outputs, targets)`` (0-d), its gradient (``vmap`` of ``grad``, members in
+    chunks of ``chunk_size`` if given); then ONE ``optimizer.update`` over the stacked
+    gradients -- :func:`torchfn.ops.stacked_adam` / :func:`torchfn.ops.stacked_sgd` give every
+    member its own lr and weight decay as ``(N,)`` tensors. ``randomness`` is ``vmap``'s
+    (``"error"``, ``"different"``: per-member dropout masks, ``"same"``); ``seed_rng`` seeds
+    eager steps from ``(state.seed, state.step)`` (module docstring). ``metrics``: ``loss`` and
+    ``grad_norm``, both ``(N,)``. No host syncs: ``torch.compile(step, fullgraph=True)`` traces
+    once and does not recompile across steps.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torchfn.ensembles import (Ensemble, init_ensemble_state,
+        ...                                make_ensemble_train_step)
+        >>> from torchfn.ops import stacked_sgd
+        >>> ens = Ensemble.from_seeds(lambda: nn.Linear(3, 1), seeds=range(2))
+        >>> opt = stacked_sgd(lr=torch.tensor([0.1, 0.01]))
+        >>> state = init_ensemble_state(ens, opt, seed=0)
+        >>> step = make_ensemble_train_step(ens.model_fn, nn.functional.mse_loss, opt)
+        >>> state, metrics = step(state, (torch.randn(2, 8, 3), torch.randn(2, 8, 1)))
+        >>> metrics["loss"].shape
+        torch.Size([2])
+    """
+    where = "ensemble train step(state, batch)"
+    if randomness not in _RANDOMNESS:
+        raise ValueError(f"make_ensemble_train_step(randomness=...): expected one of "
+                         f"{_RANDOMNESS}, got {randomness!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"make_ensemble_train_step(chunk_size=...): expected None or an int "
+                         f">= 1, got {chunk_size!r}")
+    batch_dim = None if shared_batch else 0
+
+    def member_grad(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Any,
+                    y: Any) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
+        def objective(p: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
+            outputs, new_buffers = model_fn(p, buffers, x)
+            loss = loss_fn(outputs, y)
+            if not isinstance(loss, Tensor) or loss.ndim != 0:
+                raise ValueError(f"{where}: loss_fn(outputs, targets) must return a 0-d tensor "
+                                 "per member; reduce it, e.g. with .mean()")
+            return loss, (loss, new_buffers)
+
+        grads, (_, (loss, new_buffers)) = torch.func.grad_and_value(objective, has_aux=True)(
+            params)
+        return grads, loss, new_buffers
+
+    vmapped = torch.func.vmap(member_grad, in_dims=(0, 0, batch_dim, batch_dim),
+                              randomness=randomness, chunk_size=chunk_size)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
+        n = n_members(state.params, where)
+        x, y = _check_batch(where, batch, n, shared_batch)
+        use_rng = seed_rng and not torch.compiler.is_compiling()
+        with step_rng(state) if use_rng else contextlib.nullcontext():
+            grads, losses, buffers = vmapped(state.params, state.buffers, x, y)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params=state.params,
+                                              inplace=False)
+        params = apply_updates(state.params, updates, inplace=False)
+        sq = [g.reshape(n, -1).square().sum(1) for g in grads.values()]
+        grad_norm = torch.stack(sq).sum(0).sqrt() if sq else losses.new_zeros(n)
+        new_state = TrainState(params=params, buffers=buffers, opt_state=opt_state,
+                               step=state.step + 1, seed=state.seed, loss_scale=state.loss_scale)
+        return new_state, {"loss": losses.detach(), "grad_norm": grad_norm.detach()}
+
+    return step
+
+
+def per_member_optimizer(
+    make_optimizer: Callable[..., GradientTransformation],
+    hyperparams: Mapping[str, Tensor],
+) -> GradientTransformation:
+    """Return a transformation over stacked leaves running ``make_optimizer(**h_n)`` per member.
+
+    ``hyperparams`` maps keyword names of ``make_optimizer`` to ``(N,)`` tensors; member ``n``
+    is updated by ``make_optimizer(**{k: v[n]})`` (``init`` and ``update`` run under ``vmap``,
+    so the hyperparameters reach the optimizer as 0-d batched tensors. torchopt's aliases
+    check ``lr >= 0`` in Python, which vmap refuses: pass the lr as a constant schedule,
+    ``lambda lr: torchopt.sgd(lambda _: lr)``). ``make_optimizer`` is called anew on every
+    update, so it must keep no Python state between calls: torchopt's momentum (``trace``)
+    keeps a first-call flag and is wrong here -- use :func:`torchfn.ops.stacked_sgd`
+    for momentum. The state is the
+    per-member state stacked on dim 0. For Adam/SGD prefer the fused
+    :func:`torchfn.ops.stacked_adam` / :func:`torchfn.ops.stacked_sgd`.
+
+    Example:
+        >>> import torch, torchopt
+        >>> from torchfn.ensembles import per_member_optimizer
+        >>> opt = per_member_optimizer(lambda lr: torchopt.sgd(lambda _: lr),
+        ...                            {"lr": torch.tensor([0.1, 1.0])})
+        >>> params = {"w": torch.zeros(2, 3)}
+        >>> updates, _ = opt.update({"w": torch.ones(2, 3)}, opt.init(params), params=params)
+        >>> updates["w"][:, 0]
+        tensor([-0.1000, -1.0000])
+    """
+    where = "per_member_optimizer(make_optimizer, hyperparams)"
+    names = sorted(hyperparams)
+    for k in names:
+        v = hyperparams[k]
+        if not isinstance(v, Tensor) or v.ndim != 1:
+            raise ValueError(f"{where}: hyperparams[{k!r}] must be a (N,) tensor, got "
+                             f"{_fmt(v.shape) if isinstance(v, Tensor) else type(v).__name__}")
+    hs = {k: hyperparams[k] for k in names}
+
+    def check(params: Params) -> None:
+        n = n_members(params, where)
+        for k, v in hs.items():
+            if v.shape[0] != n:
+                raise ValueError(f"{where}: hyperparams[{k!r}] has {v.shape[0]} values, but "
+                                 f"the params stack N={n} members")
+
+    def init_fn(params: Params) -> OptState:
+        check(params)
+        return torch.func.vmap(lambda h, p: make_optimizer(**h).init(p))(hs, params)
+
+    def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
+                  inplace: bool = True) -> tuple[Updates, OptState]:
+        del inplace  # always out-of-place
+
+        def one(h: dict[str, Tensor], g: Updates, s: OptState, p: Params | None) -> Any:
+            return make_optimizer(**h).update(g, s, params=p, inplace=False)
+
+        return torch.func.vmap(one, in_dims=(0, 0, 0, None if params is None else 0))(
+            hs, updates, state, params)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def member_orders(n_samples: int, seeds: Sequence[int], *, epoch: int = 0,
+                  bootstrap: bool = False) -> Tensor:
+    """Return per-member sample orders, int64 ``(N, n_samples)``, one row per seed.
+
+    Row ``n`` is a permutation of ``range(n_samples)`` (``bootstrap=False``) or
+    ``n_samples`` draws with replacement (``bootstrap=True``), from a ``torch.Generator``
+    seeded with ``seeds[n] * 1_000_003 + epoch``: explicit, reproducible, a new order per
+    epoch. Feed it to :func:`member_batches`.
+
+    Example:
+        >>> from torchfn.ensembles import member_orders
+        >>> member_orders(5, seeds=[0, 1]).shape
+        torch.Size([2, 5])
+    """
+    if n_samples < 1 or not seeds:
+        raise ValueError(f"member_orders(n_samples={n_samples}, seeds=...): expected "
+                         "n_samples >= 1 and at least one seed")
+    rows = []
+    for s in seeds:
+        g = torch.Generator().manual_seed(int(s) * 1_000_003 + int(epoch))
+        rows.append(torch.randint(n_samples, (n_samples,), generator=g) if bootstrap
+                    else torch.randperm(n_samples, generator=g))
+    return torch.stack(rows)
+
+
+def member_batches(tensors: Sequence[Tensor], orders: Tensor, batch_size: int, *,
+                   drop_last: bool = True) -> Iterator[tuple[Tensor, ...]]:
+    """Yield tuples of per-member batches ``(N, batch_size, ...)``, one per tensor given.
+
+    ``tensors`` share dim 0 (the samples); ``orders`` is ``(N, n_samples)`` from
+    :func:`member_orders`; batch ``i`` of member ``n`` is
+    ``t[orders[n, i*batch_size:(i+1)*batch_size]]``. ``drop_last`` drops a final short batch.
+
+    Example:
+        >>> import torch
+        >>> from torchfn.ensembles import member_batches, member_orders
+        >>> x, y = torch.randn(10, 3), torch.arange(10)
+        >>> xb, yb = next(member_batches((x, y), member_orders(10, seeds=[0, 1, 2]), 4))
+        >>> xb.shape, yb.shape
+        (torch.Size([3, 4, 3]), torch.Size([3, 4]))
+    """
+    if orders.ndim != 2:
+        raise ValueError(f"member_batches(orders=...): expected (N, n_samples), got "
+                         f"{_fmt(orders.shape)}")
+    for i, t in enumerate(tensors):
+        if t.shape[0] <= int(orders.max()):
+            raise ValueError(f"member_batches(tensors[{i}]): has {t.shape[0]} samples, but "
+                             f"orders index sample {int(orders.max())}")
+    total = orders.shape[1]
+    stop = total - total % batch_size if drop_last else total
+    for start in range(0, stop, batch_size):
+        idx = orders[:, start:start + batch_size]
+        yield tuple(t[idx.to(t.device)] for t in tensors)
