@@ -1,3 +1,29 @@
-"""Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile (issue 6; not yet implemented)."""
+"""Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile; tasks batched with vmap."""
 
-__all__: list[str] = []
+from torchfn.meta._maml import LR_PREFIX as LR_PREFIX
+from torchfn.meta._maml import MetaLearner as MetaLearner
+from torchfn.meta._maml import anil as anil
+from torchfn.meta._maml import fomaml as fomaml
+from torchfn.meta._maml import maml as maml
+from torchfn.meta._maml import meta_sgd as meta_sgd
+from torchfn.meta._maml import reptile as reptile
+from torchfn.meta._step import init_meta_state as init_meta_state
+from torchfn.meta._step import make_meta_train_step as make_meta_train_step
+from torchfn.meta._tasks import Task as Task
+from torchfn.meta._tasks import sinusoid_tasks as sinusoid_tasks
+from torchfn.meta._tasks import stack_episodes as stack_episodes
+
+__all__ = [
+    "LR_PREFIX",
+    "MetaLearner",
+    "Task",
+    "anil",
+    "fomaml",
+    "init_meta_state",
+    "make_meta_train_step",
+    "maml",
+    "meta_sgd",
+    "reptile",
+    "sinusoid_tasks",
+    "stack_episodes",
+]

@@ -1,0 +1,352 @@
+"""The MAML family as one pure object: MAML, first-order MAML, ANIL, Meta-SGD, Reptile.
+
+Every algorithm is the same inner loop -- ``k`` steps of a torchopt transformation on the
+support loss, out-of-place -- seen from a different outer objective:
+
+- MAML: the query loss of the adapted params, differentiated *through* the inner loop (the
+  inner gradients come from ``torch.func.grad``, so an outer ``grad`` is second order).
+- first-order MAML: the same, with the inner gradients detached.
+- ANIL: MAML adapting only the params a name predicate selects (the head).
+- Meta-SGD: MAML whose per-parameter inner learning rates are meta-params too; they are stored
+  in the same flat dict under ``"inner_lr:" + name`` and scale the inner updates elementwise.
+- Reptile: no outer gradient; the outer "gradient" is ``params - mean_t(adapted_t)``, so an
+  outer ``torchopt.sgd(lr=eps)`` is exactly Reptile's ``params + eps * (mean_t phi_t - params)``.
+
+Tasks are vmapped (task dim 0); ``chunk_size`` splits them into chunks whose gradients are
+summed one after another, so the memory of the backward is that of one chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torchopt
+from torch import Tensor
+from torch.func import grad, grad_and_value, vmap
+from torchopt.base import GradientTransformation
+
+from torchfn.meta._tasks import Task
+
+__all__ = ["LR_PREFIX", "MetaLearner", "anil", "fomaml", "maml", "meta_sgd", "reptile"]
+
+LR_PREFIX = "inner_lr:"
+
+TensorDict = dict[str, Tensor]
+LossFn = Callable[[Any, Tensor], Tensor]
+
+
+class MetaLearner:
+    """A MAML-family meta-learner: pure ``init``/``adapt``/``meta_loss``/``meta_grad`` functions.
+
+    Build it with :func:`maml`, :func:`fomaml`, :func:`anil`, :func:`meta_sgd` or
+    :func:`reptile`. ``model_fn`` follows torchfn's stateless contract
+    (``model_fn(params, buffers, x) -> (outputs, new_buffers)``, see
+    :func:`torchfn.functional.make_functional`); ``loss_fn(outputs, targets)`` returns a
+    scalar mean loss. A model in training mode normalises with each task's own batch
+    statistics (transductive BatchNorm, per task, as in the MAML paper).
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[..., tuple[Any, TensorDict]],
+        loss_fn: LossFn,
+        *,
+        inner_steps: int = 1,
+        inner_lr: float = 0.01,
+        inner_opt: GradientTransformation | None = None,
+        first_order: bool = False,
+        adapt_filter: Callable[[str], bool] | None = None,
+        learn_inner_lr: bool = False,
+        reptile: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        if not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"MetaLearner(inner_steps=...): expected an int >= 1, got {inner_steps!r}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(
+                f"MetaLearner(chunk_size=...): expected None or an int >= 1, got {chunk_size!r}"
+            )
+        if learn_inner_lr and reptile:
+            raise ValueError("MetaLearner(learn_inner_lr=True, reptile=True): Reptile has no "
+                             "outer gradient to learn inner learning rates with")
+        self.model_fn = model_fn
+        self.loss_fn = loss_fn
+        self.inner_steps = inner_steps
+        self.inner_lr = inner_lr
+        if inner_opt is None:  # Meta-SGD: the learned rates are the step sizes
+            inner_opt = torchopt.sgd(lr=1.0 if learn_inner_lr else inner_lr)
+        self.inner_opt = inner_opt
+        self.first_order = first_order or reptile
+        self.adapt_filter = adapt_filter
+        self.learn_inner_lr = learn_inner_lr
+        self.reptile = reptile
+        self.chunk_size = chunk_size
+
+    def __repr__(self) -> str:
+        kind = ("reptile" if self.reptile else "meta_sgd" if self.learn_inner_lr
+                else "fomaml" if self.first_order else "maml")
+        return (f"MetaLearner({kind}, inner_steps={self.inner_steps}, "
+                f"chunk_size={self.chunk_size}, adapt_filter={self.adapt_filter is not None})")
+
+    # -- names -----------------------------------------------------------------------------------
+
+    def _model_names(self, meta_params: Mapping[str, Tensor]) -> list[str]:
+        return [k for k in meta_params if not k.startswith(LR_PREFIX)]
+
+    def adapted_names(self, meta_params: Mapping[str, Tensor]) -> list[str]:
+        """Return the names of the params the inner loop adapts (all, or those ``adapt_filter`` keeps)."""
+        names = self._model_names(meta_params)
+        if self.adapt_filter is None:
+            return names
+        kept = [k for k in names if self.adapt_filter(k)]
+        if not kept:
+            raise ValueError(f"MetaLearner(adapt_filter=...): it keeps none of the params {names}")
+        return kept
+
+    def init(self, params: Mapping[str, Tensor]) -> TensorDict:
+        """Return the meta-params: ``params`` plus, for Meta-SGD, ``inner_lr:<name>`` tensors.
+
+        The learned rates start at ``inner_lr`` with the shape of their param. Detached copies.
+
+        Example:
+            >>> import torch.nn.functional as F
+            >>> learner = meta_sgd(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_lr=0.1)
+            >>> sorted(learner.init({"w": torch.zeros(3, 1)}))
+            ['inner_lr:w', 'w']
+        """
+        bad = [k for k in params if k.startswith(LR_PREFIX)]
+        if bad:
+            raise ValueError(f"MetaLearner.init(params): names may not start with "
+                             f"{LR_PREFIX!r}, got {bad}")
+        meta = {k: v.detach().clone() for k, v in params.items()}
+        adapted = self.adapted_names(meta)  # checks adapt_filter
+        if self.learn_inner_lr:
+            for k in adapted:
+                meta[LR_PREFIX + k] = torch.full_like(meta[k], self.inner_lr)
+        return meta
+
+    # -- one task ----------------------------------------------------------------------------------
+
+    def _merge(self, meta_params: Mapping[str, Tensor], fast: Mapping[str, Tensor]) -> TensorDict:
+        return {k: fast[k] if k in fast else meta_params[k] for k in self._model_names(meta_params)}
+
+    def adapt(
+        self,
+        meta_params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        support_x: Tensor,
+        support_y: Tensor,
+    ) -> tuple[TensorDict, TensorDict]:
+        """Return ``(fast_params, new_buffers)`` after ``inner_steps`` steps on one task's support.
+
+        ``fast_params`` has every model param (those not adapted are the meta-params
+        themselves); it is differentiable w.r.t. ``meta_params`` (second order unless
+        first-order). One task: ``support_x (K, ...)``; ``vmap`` it for a task batch.
+
+        Example:
+            >>> import torch.nn.functional as F
+            >>> learner = maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_lr=0.5)
+            >>> x, y = torch.ones(4, 1), torch.full((4, 1), 2.0)
+            >>> fast, _ = learner.adapt({"w": torch.zeros(1, 1)}, {}, x, y)
+            >>> fast["w"]
+            tensor([[2.]])
+        """
+        names = self.adapted_names(meta_params)
+        fast = {k: meta_params[k] for k in names}
+
+        def support_loss(f: TensorDict, bufs: TensorDict) -> tuple[Tensor, TensorDict]:
+            out, new_bufs = self.model_fn(self._merge(meta_params, f), bufs, support_x)
+            return self.loss_fn(out, support_y), new_bufs
+
+        bufs = dict(buffers)
+        state = self.inner_opt.init(fast)
+        for _ in range(self.inner_steps):
+            g, bufs = grad(support_loss, has_aux=True)(fast, bufs)
+            if self.first_order:
+                g = {k: v.detach() for k, v in g.items()}
+            updates, state = self.inner_opt.update(g, state, params=fast, inplace=False)
+            if self.learn_inner_lr:
+                fast = {k: fast[k] + meta_params[LR_PREFIX + k] * updates[k] for k in fast}
+            else:
+                fast = {k: fast[k] + updates[k] for k in fast}
+        return self._merge(meta_params, fast), bufs
+
+    def task_loss(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], task: Task
+    ) -> tuple[Tensor, TensorDict]:
+        """Return ``(query loss after adaptation, new_buffers)`` for one task (no task dim)."""
+        fast, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
+        out, bufs = self.model_fn(fast, bufs, task.query_x)
+        return self.loss_fn(out, task.query_y), bufs
+
+    def _reptile_delta(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], task: Task
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        fast, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
+        out, _ = self.model_fn(fast, bufs, task.query_x)
+        delta = {k: (meta_params[k] - fast[k]).detach() for k in self._model_names(meta_params)}
+        return delta, self.loss_fn(out, task.query_y).detach(), bufs
+
+    # -- task batches ------------------------------------------------------------------------------
+
+    def _chunks(self, tasks: Task) -> list[Task]:
+        n = tasks.support_x.shape[0]
+        c = n if self.chunk_size is None else min(self.chunk_size, n)
+        return [Task(*(f[i:i + c] for f in tasks)) for i in range(0, n, c)]
+
+    def meta_loss(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task
+    ) -> tuple[Tensor, TensorDict]:
+        """Return ``(mean over tasks of the post-adaptation query loss, new_buffers)``.
+
+        ``tasks`` is a :class:`Task` batch with task dim 0 (``support_x (T, K, ...)``); the
+        tasks are vmapped (in chunks of ``chunk_size``). ``new_buffers`` are the buffers after
+        each task's query forward, averaged over tasks (integer buffers: task 0's).
+        Differentiate it with ``torch.func.grad`` (or use :meth:`meta_grad`).
+
+        Example:
+            >>> import torch.nn.functional as F
+            >>> from torchfn.meta import sinusoid_tasks
+            >>> learner = maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_lr=0.01)
+            >>> tasks, _, _ = sinusoid_tasks(4, 5, 5, generator=torch.Generator().manual_seed(0))
+            >>> loss, _ = learner.meta_loss({"w": torch.zeros(1, 1)}, {}, tasks)
+            >>> loss.shape
+            torch.Size([])
+        """
+        if self.reptile:
+            raise ValueError("MetaLearner.meta_loss: Reptile has no meta-loss to differentiate; "
+                             "use meta_grad (its outer 'gradient' is params - mean(adapted))")
+        losses, bufs = [], []
+        for chunk in self._chunks(tasks):
+            loss_t, buf_t = vmap(self.task_loss, in_dims=(None, None, 0))(
+                meta_params, buffers, chunk
+            )
+            losses.append(loss_t)
+            bufs.append(buf_t)
+        return torch.cat(losses).mean(), _mean_buffers(bufs, buffers)
+
+    def meta_grad(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        """Return ``(meta_grads, meta_loss, new_buffers)`` for a task batch (task dim 0).
+
+        ``meta_grads`` has the keys of ``meta_params``: the gradient of :meth:`meta_loss`,
+        accumulated chunk by chunk (``chunk_size`` tasks at a time, so the backward holds one
+        chunk), or for Reptile ``meta_params - mean_t(adapted_t)`` (zero for params that are
+        not adapted) with the post-adaptation query loss for reporting.
+
+        Example:
+            >>> import torch.nn.functional as F
+            >>> from torchfn.meta import sinusoid_tasks
+            >>> learner = maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss, chunk_size=2)
+            >>> tasks, _, _ = sinusoid_tasks(4, 5, 5, generator=torch.Generator().manual_seed(0))
+            >>> g, loss, _ = learner.meta_grad({"w": torch.zeros(1, 1)}, {}, tasks)
+            >>> g["w"].shape
+            torch.Size([1, 1])
+        """
+        n = tasks.support_x.shape[0]
+        total: TensorDict | None = None
+        loss_sum: Tensor | None = None
+        bufs = []
+        for chunk in self._chunks(tasks):
+            if self.reptile:
+                delta, loss_t, buf_t = vmap(self._reptile_delta, in_dims=(None, None, 0))(
+                    meta_params, buffers, chunk
+                )
+                g = {k: v.sum(0) for k, v in delta.items()}
+                lsum = loss_t.sum()
+            else:
+                def chunk_loss(p: TensorDict, c: Task = chunk) -> tuple[Tensor, Any]:
+                    loss_t, buf_t = vmap(self.task_loss, in_dims=(None, None, 0))(p, buffers, c)
+                    return loss_t.sum(), (loss_t.sum().detach(), buf_t)
+
+                g, (_, (lsum, buf_t)) = grad_and_value(chunk_loss, has_aux=True)(
+                    dict(meta_params)
+                )
+            bufs.append(buf_t)
+            total = g if total is None else {k: total[k] + g[k] for k in total}
+            loss_sum = lsum if loss_sum is None else loss_sum + lsum
+        assert total is not None and loss_sum is not None
+        grads = {k: total[k] / n if k in total else torch.zeros_like(v)
+                 for k, v in meta_params.items()}
+        return grads, loss_sum / n, _mean_buffers(bufs, buffers)
+
+
+def _mean_buffers(chunks: list[Mapping[str, Tensor]], buffers: Mapping[str, Tensor]) -> TensorDict:
+    out = {}
+    for k, b in buffers.items():
+        stacked = torch.cat([c[k] for c in chunks])
+        out[k] = stacked.mean(0).to(b.dtype) if b.is_floating_point() else stacked[0]
+    return out
+
+
+# -- constructors --------------------------------------------------------------------------------
+
+
+def maml(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
+    """Return a second-order MAML :class:`MetaLearner` (``inner_lr``, ``inner_steps``, ...).
+
+    Keyword arguments: ``inner_steps=1``, ``inner_lr=0.01``, ``inner_opt`` (any torchopt
+    transformation, default ``torchopt.sgd(inner_lr)``), ``adapt_filter`` (name predicate),
+    ``chunk_size``.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_steps=5)
+        MetaLearner(maml, inner_steps=5, chunk_size=None, adapt_filter=False)
+    """
+    return MetaLearner(model_fn, loss_fn, **kwargs)
+
+
+def fomaml(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
+    """Return a first-order MAML :class:`MetaLearner` (inner gradients detached).
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> fomaml(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
+        MetaLearner(fomaml, inner_steps=1, chunk_size=None, adapt_filter=False)
+    """
+    return MetaLearner(model_fn, loss_fn, first_order=True, **kwargs)
+
+
+def anil(
+    model_fn: Callable[..., Any], loss_fn: LossFn, head: Callable[[str], bool], **kwargs: Any
+) -> MetaLearner:
+    """Return an ANIL :class:`MetaLearner`: MAML adapting only the params ``head(name)`` keeps.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> anil(lambda p, b, x: (x @ p["w"], b), F.mse_loss, head=lambda n: n.startswith("3."))
+        MetaLearner(maml, inner_steps=1, chunk_size=None, adapt_filter=True)
+    """
+    return MetaLearner(model_fn, loss_fn, adapt_filter=head, **kwargs)
+
+
+def meta_sgd(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
+    """Return a Meta-SGD :class:`MetaLearner`: per-parameter inner rates are meta-params.
+
+    ``inner_lr`` is their initial value; the inner optimizer defaults to ``torchopt.sgd(1.0)``
+    and its updates are multiplied elementwise by the learned rates.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> meta_sgd(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
+        MetaLearner(meta_sgd, inner_steps=1, chunk_size=None, adapt_filter=False)
+    """
+    return MetaLearner(model_fn, loss_fn, learn_inner_lr=True, **kwargs)
+
+
+def reptile(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
+    """Return a Reptile :class:`MetaLearner`; its ``meta_grad`` is ``params - mean(adapted)``.
+
+    With an outer ``torchopt.sgd(lr=eps)`` the outer step is Reptile's
+    ``params + eps * (mean_t phi_t - params)``. Adaptation runs on each task's support set.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> reptile(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_steps=5)
+        MetaLearner(reptile, inner_steps=5, chunk_size=None, adapt_filter=False)
+    """
+    return MetaLearner(model_fn, loss_fn, reptile=True, **kwargs)
