@@ -28,6 +28,13 @@ from torchfn.data._stream import StreamingDataset
 BATCH, WORKERS = 256, 2
 
 
+class _MmapPath(StreamingDataset):
+    """The previous read path (memory map + per-sample CRC + index_select), for comparison."""
+
+    def _read_batch(self, ids):
+        return None
+
+
 def _epoch(loader) -> tuple[float, int]:
     t = time.perf_counter()
     n = 0
@@ -81,15 +88,16 @@ def run(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard: int)
             return DataLoader(tds, batch_size=BATCH, shuffle=True, num_workers=WORKERS,
                               generator=gen)
 
-        def stream(verify: bool):
+        def stream(verify: bool, cls: type[StreamingDataset] = StreamingDataset):
             def make():
-                ds = StreamingDataset(os.path.join(root, "tfs"), batch_size=BATCH, seed=0,
-                                      verify=verify)
+                ds = cls(os.path.join(root, "tfs"), batch_size=BATCH, seed=0, verify=verify)
                 return DataLoader(ds, batch_size=None, num_workers=WORKERS)
             return make
 
         loaders = {"tensordataset_in_memory": mem, "streaming_verify_crc": stream(True),
-                   "streaming_no_verify": stream(False)}
+                   "streaming_no_verify": stream(False),
+                   "streaming_mmap_path_crc": stream(True, _MmapPath),
+                   "streaming_mmap_path_no_verify": stream(False, _MmapPath)}
         try:
             import webdataset as wds
 
@@ -106,7 +114,7 @@ def run(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard: int)
         for key, fn in loaders.items():
             dt, count = _best(fn, repeats)
             res[key] = {"seconds": dt, "samples": count, "samples_per_s": count / dt}
-            print(f"{name:6s} {key:26s} {count / dt:12.0f} samples/s  ({count} in {dt:.3f}s)",
+            print(f"{name:6s} {key:30s} {count / dt:12.0f} samples/s  ({count} in {dt:.3f}s)",
                   flush=True)
     base = res["tensordataset_in_memory"]["samples_per_s"]
     for key in loaders:

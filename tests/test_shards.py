@@ -206,3 +206,37 @@ def test_header_json_matches_documented_layout(tmp_path):
     assert header["num_samples"] == 3 and len(header["crc32"]) == 3
     assert header["file_bytes"] == len(raw)
     assert all(m["offset"] % 64 == 0 for m in header["fields"].values())
+
+
+def test_readinto_matches_per_sample_path_and_flags_bad_samples(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    with ShardWriter(tmp_path, samples_per_shard=40) as w:
+        for i in range(40):
+            w.write({"a": torch.randn(3, 2, generator=g, dtype=torch.float64),
+                     "b": torch.randn(5, generator=g).to(torch.bfloat16),
+                     "c": torch.randint(0, 9, (7,), generator=g, dtype=torch.uint8)}, label=i)
+    path = tmp_path / "shard-00000.tfs"
+    _flip(path, _data_offset(path, "b", 9))  # CRC failure at index 9
+    with open(path, "r+b") as f:  # truncation: index 39 of the last field ("c") cut short
+        f.truncate(_data_offset(path, "c", 39) + 3)
+    r = ShardReader(path)
+    assert r.bad.keys() == {39}
+    rng = np.random.default_rng(0)
+    index = sorted([*rng.choice(40, 30, replace=False).tolist(), 9, 9, 39, 12, 13, 14])
+    rows = rng.permutation(len(index)).tolist()
+    out = {name: bytearray(len(index) * r.fields[name]["nbytes"]) for name in ("a", "b", "c")}
+    failed = r.readinto(index, rows, {k: memoryview(v) for k, v in out.items()})
+    assert failed == [p for p, i in enumerate(index) if i in (9, 39)]
+    no_crc = r.readinto(index, rows, {k: memoryview(v) for k, v in out.items()}, verify=False)
+    assert no_crc == [p for p, i in enumerate(index) if i == 39]
+    for name, dt in (("a", torch.float64), ("b", torch.bfloat16), ("c", torch.uint8)):
+        got = torch.frombuffer(out[name], dtype=torch.uint8).view(dt).view(len(index), -1)
+        for p, i in enumerate(index):
+            if i != 39:
+                ref = r.sample(i, verify=False)[name].reshape(-1)
+                assert torch.equal(got[rows[p]].view(torch.uint8), ref.view(torch.uint8))
+    r.close()
+    _write(tmp_path / "rag", _samples(4), 4)
+    ragged = ShardReader(tmp_path / "rag" / "shard-00000.tfs")
+    with pytest.raises(ValueError, match="ragged"):
+        ragged.readinto([0], [0], {})

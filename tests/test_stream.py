@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from torchfn.data import _stream
 from torchfn.data._audit import Auditor, audit_plan
 from torchfn.data._plan import global_order, plan
 from torchfn.data._shards import ShardWriter
@@ -300,3 +301,36 @@ def test_audit_plan_matches_the_guarantees():
     rep = audit_plan(seed=9, epoch=3, shard_sizes=[10, 10, 17], labels=labels, world_size=4,
                      num_workers=2, batch_size=3, policy="drop")
     assert rep.ok and rep.seen == 36 and set(rep.rank_lengths.values()) == {9}
+
+
+class _PerSamplePath(StreamingDataset):
+    """The memory-map + per-sample CRC path (what ``_read_batch`` falls back to)."""
+
+    def _read_batch(self, ids):
+        return None
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_readinto_batches_equal_the_per_sample_path(tmp_path, shuffle, monkeypatch):
+    monkeypatch.setattr(_stream, "_READ_MIN_BYTES", 1)  # tiny samples take the readinto path
+    g = torch.Generator().manual_seed(2)
+    with ShardWriter(tmp_path, samples_per_shard=13) as w:
+        for i in range(70):
+            w.write({"x": torch.randn(3, 4, generator=g, dtype=torch.float64),
+                     "z": torch.randint(-5, 5, (2,), generator=g, dtype=torch.int64)},
+                    label=i % 4)
+    kw = {"batch_size": 8, "seed": 1, "shuffle": shuffle, "meta": True, "policy": "pad",
+          "world_size": 3, "rank": 1}
+    fast = StreamingDataset(tmp_path, **kw)
+    ids = fast.padded_ids()
+    assert fast._read_batch(np.array([0, 13, 12, 1, 0])) is not None  # the fast path applies
+    for workers in (0, 2):
+        got = list(DataLoader(fast, batch_size=None, num_workers=workers))
+        ref = list(DataLoader(_PerSamplePath(tmp_path, **kw), batch_size=None,
+                              num_workers=workers))
+        assert len(got) == len(ref) == len(fast)
+        for a, b in zip(got, ref, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert set(ids.tolist()) <= set(torch.cat([b["id"] for b in got]).tolist())

@@ -17,6 +17,7 @@ to back with per-sample byte offsets and shapes ("ragged" layout).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -47,6 +48,10 @@ _PREFIX = 32
 _ALIGN = 64
 _FORMAT = "torchfn.shards"
 _VERSION = 1
+try:  # iovecs per preadv call
+    _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX")))
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 16
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -55,6 +60,38 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
     )
 }
+
+
+def _preadv(fd: int, mv: memoryview, iov: list[memoryview], offset: int, total: int) -> int:
+    """Fills ``iov`` from file bytes ``[offset, offset + total)``; returns the bytes read."""
+    if hasattr(os, "preadv"):
+        got = 0
+        while got < total:  # regular files only come back short at the end of the file
+            n = os.preadv(fd, iov, offset + got) if got == 0 else os.preadv(
+                fd, _advance(iov, got), offset + got)
+            if n <= 0:
+                break
+            got += n
+        return got
+    pos = offset  # no preadv (Windows): copy from the memory map
+    for b in iov:
+        n = max(0, min(len(b), len(mv) - pos))
+        b[:n] = mv[pos : pos + n]
+        pos += n
+        if n < len(b):
+            break
+    return pos - offset
+
+
+def _advance(iov: list[memoryview], skip: int) -> list[memoryview]:
+    out = []
+    for b in iov:
+        if skip >= len(b):
+            skip -= len(b)
+            continue
+        out.append(b[skip:])
+        skip = 0
+    return out
 
 
 class CorruptShardError(RuntimeError):
@@ -351,6 +388,14 @@ class ShardReader:
         self._raw = raw
         self._mv = memoryview(self._buf).cast("B") if size else memoryview(b"")
         self._span_list = [s.tolist() for s in self._spans]
+        self._fd = -1  # raw descriptor for readinto, opened on first use, closed by close()
+        self.layout: tuple[tuple[str, str, tuple[int, ...], int, int], ...] | None = (
+            tuple(
+                (k, m["dtype"], tuple(m["shape"]), int(m["nbytes"]), int(m["offset"]))
+                for k, m in self.fields.items()
+            )
+            if all("shape" in m for m in self.fields.values()) else None
+        )
 
     def check(self, i: int) -> bool:
         """Returns whether sample ``i``'s bytes match its stored CRC32."""
@@ -386,6 +431,87 @@ class ShardReader:
                 t = self._raw[a:b].view(_DTYPES[meta["dtype"]])
                 out[name] = t.view(*meta["shapes"][i])
         return out
+
+    def readinto(
+        self,
+        index: Sequence[int],
+        rows: Sequence[int],
+        out: Mapping[str, memoryview],
+        *,
+        verify: bool = True,
+    ) -> list[int]:
+        """Copies samples ``index`` into rows ``rows`` of ``out``; returns the positions that failed.
+
+        For shards whose fields are all fixed-shape (``layout`` is not None). ``out[name]`` is a
+        writable byte buffer holding rows of ``nbytes`` bytes; sample ``index[p]`` of field
+        ``name`` lands in row ``rows[p]``. The bytes are read with ``os.preadv`` straight from
+        the file (no memory map, so no page faults on the source), one system call per run of
+        consecutive indices (pass ``index`` sorted ascending to get long runs). With ``verify``
+        each sample's CRC32 is checked on the bytes delivered. Returned positions ``p`` (sorted)
+        are samples that are structurally bad, came back short, or failed their CRC32: their
+        rows hold garbage; ``sample``/``check`` give the reason.
+        """
+        if self.layout is None:
+            raise ValueError(
+                f"ShardReader.readinto: {self.path!r} has ragged fields; expected all fields "
+                "fixed-shape"
+            )
+        if len(index) != len(rows):
+            raise ValueError(
+                f"ShardReader.readinto: index and rows need equal lengths, got {len(index)} "
+                f"and {len(rows)}"
+            )
+        failed: set[int] = set()
+        ok: list[int] = []
+        for p, i in enumerate(index):
+            if not 0 <= i < self.num_samples:
+                raise IndexError(
+                    f"ShardReader.readinto: index {i} out of range [0, {self.num_samples})"
+                )
+            (failed.add if i in self.bad else ok.append)(p)
+        if self._fd < 0 and ok:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            except OSError as e:
+                raise CorruptShardError(self.path, None, f"cannot read: {e}") from e
+        fd = self._fd
+        k, m = 0, len(ok)
+        while k < m:
+            e = k + 1
+            while e < m and index[ok[e]] == index[ok[e - 1]] + 1 and e - k < _IOV_MAX:
+                e += 1
+            run = ok[k:e]
+            first = index[run[0]]
+            for name, _dt, _shape, nb, off in self.layout:  # type: ignore[union-attr]
+                if nb == 0:
+                    continue
+                buf = out[name]
+                iov = [buf[rows[p] * nb : (rows[p] + 1) * nb] for p in run]
+                got = _preadv(fd, self._mv, iov, off + first * nb, nb * len(run))
+                if got < nb * len(run):
+                    failed.update(run[got // nb :])
+            k = e
+        if verify:
+            fields = [(out[name], nb) for name, _dt, _shape, nb, _off in self.layout]
+            for p in ok:
+                if p in failed:
+                    continue
+                r, crc = rows[p], 0
+                for buf, nb in fields:
+                    crc = zlib.crc32(buf[r * nb : (r + 1) * nb], crc)
+                if crc != self.crc32[index[p]]:
+                    failed.add(p)
+        return sorted(failed)
+
+    def close(self) -> None:
+        """Closes the descriptor ``readinto`` opened; returns nothing (the memory map stays)."""
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.close()
 
     def fixed(self, name: str) -> torch.Tensor | None:
         """Returns the ``(n, *shape)`` zero-copy tensor of a fixed-shape field, else None."""

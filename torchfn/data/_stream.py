@@ -14,18 +14,38 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from ._plan import Policy, plan
-from ._shards import CorruptShardError, ShardReader, VerifyReport, read_manifest, verify_shards
+from ._shards import (
+    _DTYPES,
+    CorruptShardError,
+    ShardReader,
+    VerifyReport,
+    read_manifest,
+    verify_shards,
+)
 
 __all__ = ["StreamingDataset", "StreamingLoader", "state_from_stateful_loader"]
 
 _log = logging.getLogger("torchfn.data")
 _META = ("id", "padded", "rank", "worker", "position")
+# Samples at least this large are read with preadv into the batch (benchmarks/results: for
+# 48 KiB samples 2x faster than copying from a fresh memory map; for 3 KiB samples slower).
+_READ_MIN_BYTES = 16384
 
 
 def _dist_layout() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
     return 1, 0
+
+
+def _alloc_bytes(nbytes: int, shared: bool) -> torch.Tensor:
+    """Returns an uninitialized ``(nbytes,)`` uint8 tensor, in shared memory when ``shared``."""
+    if not shared:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # Allocated straight in shared memory, as default_collate does, so handing the batch to the
+    # main process costs no extra copy (no public API for this).
+    proto = torch.empty(0, dtype=torch.uint8)
+    return proto.new(proto._typed_storage()._new_shared(nbytes, device=proto.device))
 
 
 class StreamingDataset(IterableDataset):
@@ -289,6 +309,45 @@ class StreamingDataset(IterableDataset):
         out["label"] = torch.from_numpy(self.labels[ids])
         return out
 
+    def _read_batch(self, ids: np.ndarray) -> dict[str, Any] | None:
+        """Returns the batch of ``ids`` read with ``ShardReader.readinto``, or None.
+
+        The fast path for shards of fixed-shape fields of at least ``_READ_MIN_BYTES`` bytes
+        per sample (smaller samples share pages, so the memory map is cheaper there): the ids are sorted by (shard, index) and
+        each run of consecutive samples is read with one ``preadv`` straight into the batch
+        buffers (shared memory in a worker), CRC32s checked on the delivered bytes. None when
+        it does not apply (ragged fields, shards that differ) or any sample failed: the caller
+        then takes the per-sample path, which raises or skips with the usual messages.
+        """
+        shards, local = self._locate(ids)
+        order = np.lexsort((local, shards))
+        sorted_shards = shards[order]
+        cuts = [0, *(np.flatnonzero(np.diff(sorted_shards)) + 1).tolist(), len(ids)]
+        try:
+            readers = [self._reader(int(sorted_shards[a])) for a in cuts[:-1]]
+        except CorruptShardError:
+            return None
+        layout = readers[0].layout
+        if layout is None or sum(m[3] for m in layout) < _READ_MIN_BYTES:
+            return None
+        key = [(name, dt, shape, nb) for name, dt, shape, nb, _ in layout]
+        for r in readers[1:]:
+            if r.layout is None or [(a, b, c, d) for a, b, c, d, _ in r.layout] != key:
+                return None
+        n = len(ids)
+        shared = get_worker_info() is not None
+        bufs = {name: _alloc_bytes(n * nb, shared) for name, _dt, _shape, nb in key}
+        views = {name: memoryview(b.numpy()) for name, b in bufs.items()}
+        for r, a, b in zip(readers, cuts[:-1], cuts[1:], strict=True):
+            rows = order[a:b]
+            if r.readinto(local[rows].tolist(), rows.tolist(), views, verify=self.verify_reads):
+                return None
+        out: dict[str, Any] = {
+            name: bufs[name].view(_DTYPES[dt]).view(n, *shape) for name, dt, shape, _nb in key
+        }
+        out["label"] = torch.from_numpy(self.labels[ids])
+        return out
+
     def _collate_samples(self, ids: np.ndarray) -> dict[str, Any]:
         return default_collate([self._sample(int(i)) for i in ids])
 
@@ -316,9 +375,13 @@ class StreamingDataset(IterableDataset):
             if c < first_chunk:
                 continue
             ids, padded, pos = p.ids[a:b], p.padded[a:b], p.positions[a:b]
-            keep = self._good(ids)
-            if not keep.all():
-                ids, padded, pos = ids[keep], padded[keep], pos[keep]
+            batch = None
+            if self.batched and self.transform is None and len(ids):
+                batch = self._read_batch(ids)
+            if batch is None:
+                keep = self._good(ids)
+                if not keep.all():
+                    ids, padded, pos = ids[keep], padded[keep], pos[keep]
             end = int(p.positions[b - 1]) + 1
             if info is not None:
                 self._worker_state = {
@@ -327,7 +390,8 @@ class StreamingDataset(IterableDataset):
                 }
             self._progress = (self.epoch, start, end)
             if self.batched:
-                batch = self._batch(ids) if len(ids) else {}
+                if batch is None:
+                    batch = self._batch(ids) if len(ids) else {}
                 if self.meta:
                     batch.update(self._meta(ids, padded, pos, wid))
                 if self.batch_transform is not None:
