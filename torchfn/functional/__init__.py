@@ -13,6 +13,28 @@ from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
 from torchfn.functional._checkpoint import CheckpointError as CheckpointError
 from torchfn.functional._checkpoint import load_checkpoint as load_checkpoint
 from torchfn.functional._checkpoint import save_checkpoint as save_checkpoint
+from torchfn.functional._dp_sampling import PoissonSampler as PoissonSampler
+from torchfn.functional._dpsgd import ClippedSum as ClippedSum
+from torchfn.functional._dpsgd import DPState as DPState
+from torchfn.functional._dpsgd import DPTrainStep as DPTrainStep
+from torchfn.functional._dpsgd import init_dp_state as init_dp_state
+from torchfn.functional._dpsgd import make_dp_train_step as make_dp_train_step
+from torchfn.functional._ghost_grads import GhostGrads as GhostGrads
+from torchfn.functional._ghost_grads import GhostResult as GhostResult
+from torchfn.functional._ghost_layers import GhostLayerError as GhostLayerError
+from torchfn.functional._ghost_norms import GhostModel as GhostModel
+from torchfn.functional._ghost_norms import check_ghost_coverage as check_ghost_coverage
+from torchfn.functional._ghost_norms import ghost_grad_norms as ghost_grad_norms
+from torchfn.functional._ghost_norms import make_ghost_model as make_ghost_model
+from torchfn.functional._ghost_stats import GradStats as GradStats
+from torchfn.functional._ghost_stats import NoiseScaleState as NoiseScaleState
+from torchfn.functional._ghost_stats import NormHistory as NormHistory
+from torchfn.functional._ghost_stats import grad_stats as grad_stats
+from torchfn.functional._ghost_stats import init_noise_scale as init_noise_scale
+from torchfn.functional._ghost_stats import init_norm_history as init_norm_history
+from torchfn.functional._ghost_stats import two_batch_estimates as two_batch_estimates
+from torchfn.functional._ghost_stats import update_noise_scale as update_noise_scale
+from torchfn.functional._ghost_stats import update_norm_history as update_norm_history
 from torchfn.functional._optim import adam as adam
 from torchfn.functional._optim import adamw as adamw
 from torchfn.functional._optim import scale_by_adam as scale_by_adam
@@ -47,22 +69,41 @@ __all__ = [
     "DEFAULT_RDP_ORDERS",
     "BatchNorm",
     "CheckpointError",
+    "ClippedSum",
+    "DPState",
+    "DPTrainStep",
     "DynamicLossScaler",
     "FunctionalModel",
+    "GhostGrads",
+    "GhostLayerError",
+    "GhostModel",
+    "GhostResult",
+    "GradStats",
     "LossScaleState",
+    "NoiseScaleState",
+    "NormHistory",
+    "PoissonSampler",
     "RDPAccountant",
     "TrainState",
     "adam",
     "adamw",
+    "check_ghost_coverage",
     "compute_rdp",
     "empirical_ntk",
     "functional_batch_norm",
+    "ghost_grad_norms",
+    "grad_stats",
     "hessian_diagonal",
     "hessian_matrix",
     "hvp",
+    "init_dp_state",
+    "init_noise_scale",
+    "init_norm_history",
     "init_train_state",
     "load_checkpoint",
+    "make_dp_train_step",
     "make_functional",
+    "make_ghost_model",
     "make_train_step",
     "noise_multiplier_for_epsilon",
     "per_sample_grad_norms",
@@ -84,4 +125,7 @@ __all__ = [
     "tree_scalar_mul",
     "tree_sub",
     "tree_zeros_like",
+    "two_batch_estimates",
+    "update_noise_scale",
+    "update_norm_history",
 ]

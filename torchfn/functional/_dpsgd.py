@@ -1,0 +1,403 @@
+"""DP-SGD as a pure, compile-friendly step: Poisson sampling, ghost clipping, seeded noise.
+
+One logical step of DP-SGD (Abadi et al. 2016, "Deep Learning with Differential Privacy")::
+
+    B_t  = {i : u_it < q}                      Poisson sampling, u_it ~ U[0, 1) i.i.d.
+    g    = sum_{i in B_t} clip_C(grad l_i)     clip_C(v) = v * min(1, C / (||v|| + 1e-6))
+    g~   = (g + N(0, sigma^2 C^2 I)) / (q N)   noise, then divide by the EXPECTED batch size
+    theta <- optimizer(theta, g~)
+
+is the sampled Gaussian mechanism that :class:`torchfn.functional.RDPAccountant` analyses
+(``noise_multiplier = sigma``, ``sample_rate = q``), provided the implementation matches it:
+
+- **Sampling** (:class:`PoissonSampler`): every step draws the Bernoulli(q) mask over the
+  whole dataset from a counter-based generator keyed by ``(seed, step)`` -- never from the
+  data -- and packs the selected indices into fixed-size *physical* batches: the first
+  ``physical_batch_size`` selected examples, then the next, ..., the last one padded with
+  index 0 and ``valid = False``. Nothing is truncated, so the sampled set is exactly Poisson;
+  a draw larger than one physical batch simply spans several (an extra physical batch, not
+  a different distribution). Shapes are static: the compiled step never recompiles.
+- **Masking**: a padded entry (``valid = False``) is computed like any other and then gets
+  clipping coefficient 0, so it adds nothing to ``g``.
+- **Clipping**: per-sample norms are ghost norms (:mod:`torchfn.functional._ghost_norms`);
+  flat (one ``C`` for the whole gradient) or per layer (``C_l`` per layer, so the total
+  sensitivity is ``C = sqrt(sum_l C_l^2)`` and the noise std is ``sigma * C``). The clipped
+  sum is book-keeping style: one weighted GEMM per linear/conv layer from the activations
+  and output gradients the single backward left behind.
+- **Noise**: ``sigma * C`` times standard normals from :mod:`torchfn.functional._dp_random`:
+  one flat draw over all trainable parameters (in ``params`` order) under ``state.key``, the
+  step's key, which the step then advances (``fold_in(key, "next")``). A pure function of
+  the state, identical eager and compiled, resumable from a checkpoint of the state.
+- **Division** by ``q N`` (not by the realised batch size, which would leak it).
+
+Not covered by the guarantee: buffers updated from data (refused), frozen parameters (no
+noise, they never change), and floating-point attacks on the noise (see ``_dp_random``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torchopt.base import GradientTransformation
+from torchopt.typing import OptState
+from torchopt.update import apply_updates
+
+from torchfn.functional._accountant import RDPAccountant
+from torchfn.functional._dp_random import fold_in, key_from_seed, normal
+from torchfn.functional._ghost_norms import GhostModel
+
+__all__ = [
+    "ClippedSum",
+    "DPState",
+    "DPTrainStep",
+    "init_dp_state",
+    "make_dp_train_step",
+]
+
+Tensor = torch.Tensor
+TensorDict = dict[str, Tensor]
+LossFn = Callable[[Any, Any], Tensor]
+
+_NOISE_SALT = 0x6E6F6973  # "nois"
+_NEXT_SALT = 0x6E657874  # "next"
+
+
+class DPState(NamedTuple):
+    """Everything a DP-SGD run carries from step to step (a pytree of tensors).
+
+    Fields: ``params``, ``buffers`` (dicts keyed like ``named_parameters()`` /
+    ``named_buffers()``), ``opt_state`` (torchopt), ``step`` (int64 0-d, logical steps
+    taken) and ``key`` (int64 ``(2,)``, this step's noise key; each step replaces it by
+    ``fold_in(key, "next")``), both on the parameters' device.
+    """
+
+    params: TensorDict
+    buffers: TensorDict
+    opt_state: OptState
+    step: Tensor
+    key: Tensor
+
+
+class ClippedSum(NamedTuple):
+    """The clipped (not yet noised) gradient sum of one or more physical batches.
+
+    Fields: ``grads`` (``sum_i coef_i grad_i``, like ``params``), ``count`` (number of
+    valid examples), ``loss_sum`` (sum of their losses), ``clipped`` (valid examples -- or
+    example-layer pairs with per-layer clipping -- whose gradient was scaled down),
+    ``norm_sum`` (sum of their unclipped gradient norms); all float 0-d tensors. Two
+    ``ClippedSum`` add up leaf by leaf (:meth:`DPTrainStep.add`).
+    """
+
+    grads: TensorDict
+    count: Tensor
+    loss_sum: Tensor
+    clipped: Tensor
+    norm_sum: Tensor
+
+
+def _first(params: Mapping[str, Tensor]) -> Tensor:
+    if not params:
+        raise ValueError("DP-SGD: the model has no parameters")
+    return next(iter(params.values()))
+
+
+def init_dp_state(
+    params: TensorDict, buffers: TensorDict, optimizer: GradientTransformation, *, seed: int
+) -> DPState:
+    """Return the initial :class:`DPState` (``step`` = 0) with a noise key from ``seed``.
+
+    ``seed`` (an int in ``[0, 2**63)``) determines all the noise of the run; keep it secret
+    like any DP randomness. Params/buffers are detached.
+
+    Example:
+        >>> import torchopt
+        >>> state = init_dp_state({"w": torch.zeros(3)}, {}, torchopt.sgd(0.1), seed=0)
+        >>> int(state.step), state.key.shape
+        (0, torch.Size([2]))
+    """
+    params = {k: v.detach() for k, v in params.items()}
+    buffers = {k: v.detach() for k, v in buffers.items()}
+    device = _first(params).device
+    return DPState(
+        params=params,
+        buffers=buffers,
+        opt_state=optimizer.init(params),
+        step=torch.zeros((), dtype=torch.int64, device=device),
+        key=fold_in(key_from_seed(seed, device), _NOISE_SALT),
+    )
+
+
+def _layer_thresholds(ghost: GhostModel, max_grad_norm: float | Mapping[str, float],
+                      clipping: str) -> tuple[dict[str, float] | None, float]:
+    """Return ``(per-layer thresholds or None, total sensitivity C)``."""
+    where = "make_dp_train_step"
+    layers = list(ghost.layer_names)
+    if clipping not in ("flat", "per_layer"):
+        raise ValueError(f"{where}(clipping=...): expected 'flat' or 'per_layer', got "
+                         f"{clipping!r}")
+    if isinstance(max_grad_norm, Mapping):
+        if clipping != "per_layer":
+            raise ValueError(f"{where}: a dict of max_grad_norm per layer needs "
+                             "clipping='per_layer'")
+        missing = [n for n in layers if n not in max_grad_norm]
+        extra = [n for n in max_grad_norm if n not in layers]
+        if missing or extra:
+            raise ValueError(f"{where}(max_grad_norm=...): per-layer thresholds must name "
+                             f"exactly the layers {layers}; missing {missing}, unknown "
+                             f"{extra}")
+        thresholds = {n: float(max_grad_norm[n]) for n in layers}
+    else:
+        c = float(max_grad_norm)
+        thresholds = ({n: c / math.sqrt(len(layers)) for n in layers}  # C_l = C / sqrt(L)
+                      if clipping == "per_layer" else {"": c})
+    if not all(math.isfinite(c) and c > 0 for c in thresholds.values()):
+        raise ValueError(f"{where}(max_grad_norm=...): thresholds must be finite and > 0, got "
+                         f"{max_grad_norm!r}")
+    total = math.sqrt(sum(c * c for c in thresholds.values()))
+    return (thresholds if clipping == "per_layer" else None), total
+
+
+class DPTrainStep:
+    """A DP-SGD step: ``step(state, batch, valid) -> (new_state, metrics)`` (pure).
+
+    Built by :func:`make_dp_train_step`. Besides the one-physical-batch step it has
+    :meth:`clipped_sum` + :meth:`add` + :meth:`apply` for a logical batch spanning several
+    physical batches, :meth:`run` (picks the right path for a :class:`PoissonSampler` draw and
+    steps an accountant) and :meth:`compile` (the same step with its three pure functions
+    wrapped in ``torch.compile(fullgraph=True)``). Attributes: ``noise_multiplier``,
+    ``sample_rate``, ``dataset_size``, ``expected_batch_size``, ``max_grad_norm`` (total
+    sensitivity ``C``), ``layer_thresholds`` (``{layer: C_l}`` or None), ``noise_std``
+    (``noise_multiplier * C``).
+    """
+
+    def __init__(self, ghost: GhostModel, loss_fn: LossFn, optimizer: GradientTransformation,
+                 *, noise_multiplier: float, sample_rate: float, dataset_size: int,
+                 thresholds: dict[str, float] | None, total: float) -> None:
+        self._ghost, self._loss_fn, self._optimizer = ghost, loss_fn, optimizer
+        self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
+        self.dataset_size = dataset_size
+        self.expected_batch_size = sample_rate * dataset_size
+        self.layer_thresholds, self.max_grad_norm = thresholds, total
+        self.noise_std = noise_multiplier * total
+        self._call_fn: Callable[..., Any] = self._step
+        self._sum_fn: Callable[..., Any] = self._clipped_sum
+        self._apply_fn: Callable[..., Any] = self._apply
+
+    # -- the three pure functions ------------------------------------------------------------
+
+    def _clipped_sum(self, state: DPState, batch: tuple[Any, Any], valid: Tensor) -> ClippedSum:
+        inputs, targets = _check_batch(batch)
+        res = self._ghost.per_sample(state.params, state.buffers, inputs, targets,
+                                     self._loss_fn)
+        for k, v in res.new_buffers.items():
+            if v is not state.buffers[k]:
+                raise ValueError(
+                    f"DP-SGD step: the forward updated buffer {k!r}; buffers computed from the "
+                    "private data (BatchNorm running statistics, ...) would escape the privacy "
+                    "analysis. Use layers without data-dependent buffers, or eval() for them"
+                )
+        losses = res.losses.detach()
+        if valid.shape != losses.shape:
+            raise ValueError(f"DP-SGD step: valid must have shape {tuple(losses.shape)} (one "
+                             f"flag per example of the batch), got {tuple(valid.shape)}")
+        mask = valid.to(losses.dtype)
+        if self.layer_thresholds is None:
+            norm = res.grads.sq_norms().clamp_min(0).sqrt()
+            coef = mask * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            clipped = (mask * (norm > self.max_grad_norm).to(mask.dtype)).sum()
+            grads = res.grads.weighted_sum(coef)
+        else:
+            per_layer = res.grads.sq_norms(per_layer=True)
+            assert isinstance(per_layer, dict)
+            coefs, clipped, total_sq = {}, mask.new_zeros(()), mask.new_zeros(mask.shape)
+            for name, c in self.layer_thresholds.items():
+                n = per_layer[name].clamp_min(0).sqrt()
+                coefs[name] = mask * torch.clamp(c / (n + 1e-6), max=1.0)
+                clipped = clipped + (mask * (n > c).to(mask.dtype)).sum()
+                total_sq = total_sq + per_layer[name]
+            norm = total_sq.clamp_min(0).sqrt()
+            grads = res.grads.weighted_sum(coefs)
+        return ClippedSum(grads=grads, count=mask.sum(), loss_sum=(losses * mask).sum(),
+                          clipped=clipped, norm_sum=(norm * mask).sum())
+
+    def _apply(self, state: DPState, total: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
+        frozen = set(self._ghost.frozen)
+        noised = [k for k in total.grads if k not in frozen]
+        sizes = [total.grads[k].numel() for k in noised]
+        flat = normal(state.key, (sum(sizes),), torch.float64).split(sizes)
+        grads = dict(total.grads)
+        for name, z in zip(noised, flat, strict=True):
+            g = total.grads[name]
+            noise = z.reshape(g.shape).to(g.dtype)
+            grads[name] = (g + self.noise_std * noise) / self.expected_batch_size
+        updates, opt_state = self._optimizer.update(grads, state.opt_state,
+                                                    params=state.params, inplace=False)
+        params = apply_updates(state.params, updates, inplace=False)
+        denom = torch.clamp(total.count, min=1.0)
+        n_layers = len(self.layer_thresholds) if self.layer_thresholds is not None else 1
+        metrics = {
+            "loss": total.loss_sum / denom,
+            "batch_size": total.count,
+            "clip_fraction": total.clipped / (denom * n_layers),
+            "grad_norm_mean": total.norm_sum / denom,
+        }
+        new_state = DPState(params=params, buffers=state.buffers, opt_state=opt_state,
+                            step=state.step + 1, key=fold_in(state.key, _NEXT_SALT))
+        return new_state, metrics
+
+    def _step(self, state: DPState, batch: tuple[Any, Any],
+              valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
+        return self._apply(state, self._clipped_sum(state, batch, valid))
+
+    # -- public surface ----------------------------------------------------------------------
+
+    def __call__(self, state: DPState, batch: tuple[Any, Any],
+                 valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
+        """Return ``(new_state, metrics)`` for a logical batch held in ONE physical batch.
+
+        ``batch = (inputs, targets)`` with batch dim 0 of size ``P``; ``valid`` is ``(P,)``
+        bool (False for padding). ``metrics`` (0-d tensors): ``loss`` (mean over valid
+        examples), ``batch_size`` (valid count), ``clip_fraction``, ``grad_norm_mean``
+        (mean unclipped per-sample norm).
+        """
+        return self._call_fn(state, batch, valid)
+
+    def clipped_sum(self, state: DPState, batch: tuple[Any, Any], valid: Tensor) -> ClippedSum:
+        """Return the :class:`ClippedSum` of one physical batch (no noise, no update)."""
+        return self._sum_fn(state, batch, valid)
+
+    def apply(self, state: DPState, total: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
+        """Add the noise to ``total``, divide by ``q N``, update: ``(new_state, metrics)``."""
+        return self._apply_fn(state, total)
+
+    @staticmethod
+    def add(a: ClippedSum, b: ClippedSum) -> ClippedSum:
+        """Return the leaf-by-leaf sum of two :class:`ClippedSum` (physical batches of a step)."""
+        return ClippedSum(grads={k: a.grads[k] + b.grads[k] for k in a.grads},
+                          count=a.count + b.count, loss_sum=a.loss_sum + b.loss_sum,
+                          clipped=a.clipped + b.clipped, norm_sum=a.norm_sum + b.norm_sum)
+
+    def compile(self, **kwargs: Any) -> DPTrainStep:
+        """Return a copy whose step, clipped_sum and apply are ``torch.compile(fullgraph=True)``."""
+        new = DPTrainStep.__new__(DPTrainStep)
+        new.__dict__.update(self.__dict__)
+        kwargs.setdefault("fullgraph", True)
+        new._call_fn = torch.compile(self._step, **kwargs)
+        new._sum_fn = torch.compile(self._clipped_sum, **kwargs)
+        new._apply_fn = torch.compile(self._apply, **kwargs)
+        return new
+
+    def run(self, state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
+            get_batch: Callable[[Tensor], tuple[Any, Any]],
+            accountant: RDPAccountant | None = None) -> tuple[DPState, dict[str, Tensor]]:
+        """Take one logical step on a :meth:`PoissonSampler.sample` draw; step ``accountant``.
+
+        ``get_batch(indices)`` returns ``(inputs, targets)`` for the ``(P,)`` indices (e.g.
+        ``lambda i: (X[i], Y[i])``). One chunk uses the fused step; several use
+        ``clipped_sum`` per chunk, :meth:`add` and ``apply`` (the same result). Host-side
+        driver: call it eagerly (after :meth:`compile` for speed).
+
+        Example::
+
+            >>> import torchopt
+            >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 2))
+            >>> X, Y = torch.randn(100, 4), torch.randint(0, 2, (100,))
+            >>> loss_fn = lambda o, y: F.cross_entropy(o, y, reduction="none")
+            >>> opt = torchopt.sgd(0.1)
+            >>> step = make_dp_train_step(ghost, loss_fn, opt, noise_multiplier=1.0,
+            ...                           max_grad_norm=1.0, sample_rate=0.1, dataset_size=100)
+            >>> sampler = PoissonSampler(100, 0.1, 24, seed=0)
+            >>> state, acct = init_dp_state(params, buffers, opt, seed=1), RDPAccountant()
+            >>> state, metrics = step.run(state, sampler.sample(0), lambda i: (X[i], Y[i]), acct)
+            >>> int(state.step), acct.history
+            (1, ((1.0, 0.1, 1),))
+        """
+        device = state.step.device
+        if not chunks:
+            raise ValueError("DPTrainStep.run: chunks is empty; pass PoissonSampler.sample(step)")
+        if len(chunks) == 1:
+            idx, valid = chunks[0]
+            state, metrics = self(state, get_batch(idx.to(device)), valid.to(device))
+        else:
+            total = None
+            for idx, valid in chunks:
+                part = self.clipped_sum(state, get_batch(idx.to(device)), valid.to(device))
+                total = part if total is None else self.add(total, part)
+            assert total is not None
+            state, metrics = self.apply(state, total)
+        if accountant is not None:
+            accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        return state, metrics
+
+
+def _check_batch(batch: Any) -> tuple[Any, Any]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"DP-SGD step(state, batch, valid): batch must be a pair (inputs, "
+                        f"targets), got {type(batch).__name__}")
+    return batch[0], batch[1]
+
+
+def make_dp_train_step(
+    ghost: GhostModel,
+    loss_fn: LossFn,
+    optimizer: GradientTransformation,
+    *,
+    noise_multiplier: float,
+    max_grad_norm: float | Mapping[str, float],
+    sample_rate: float,
+    dataset_size: int,
+    clipping: str = "flat",
+) -> DPTrainStep:
+    """Return a pure DP-SGD step (:class:`DPTrainStep`): ghost clipping, seeded noise, update.
+
+    ``ghost`` comes from :func:`make_ghost_model`; ``loss_fn(outputs, targets)`` returns the
+    ``(B,)`` per-sample losses; ``optimizer`` is any torchopt GradientTransformation (it
+    receives the noisy averaged gradient). ``noise_multiplier`` is sigma; ``sample_rate`` q
+    and ``dataset_size`` N give the expected batch size ``q N`` that the noisy sum is divided
+    by (sample with a :class:`PoissonSampler` of the same q and N). ``clipping="flat"`` clips
+    each example's whole gradient to ``max_grad_norm``; ``"per_layer"`` clips each layer's
+    part to its own threshold: a dict ``{layer_name: C_l}`` (see ``ghost.layer_names``), or
+    one float ``C`` split evenly as ``C / sqrt(L)``; the noise std is then
+    ``noise_multiplier * sqrt(sum_l C_l^2)``, so the accountant sees the same sigma.
+
+    The step never syncs with the host and keeps every shape static, so
+    ``torch.compile(step, fullgraph=True)`` (or :meth:`DPTrainStep.compile`) traces it once
+    and does not recompile as ``state.step`` advances. Account privacy outside it: one
+    ``RDPAccountant.step(noise_multiplier=sigma, sample_rate=q)`` per logical step
+    (:meth:`DPTrainStep.run` does it).
+
+    Example::
+
+        >>> import torchopt
+        >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 2))
+        >>> loss_fn = lambda o, y: F.cross_entropy(o, y, reduction="none")
+        >>> opt = torchopt.sgd(0.5)
+        >>> step = make_dp_train_step(ghost, loss_fn, opt, noise_multiplier=1.1,
+        ...                           max_grad_norm=1.0, sample_rate=0.01, dataset_size=6400)
+        >>> state = init_dp_state(params, buffers, opt, seed=0)
+        >>> x, y, valid = torch.randn(96, 4), torch.randint(0, 2, (96,)), torch.rand(96) < 0.7
+        >>> state, metrics = step(state, (x, y), valid)
+        >>> sorted(metrics)
+        ['batch_size', 'clip_fraction', 'grad_norm_mean', 'loss']
+    """
+    where = "make_dp_train_step"
+    if not isinstance(ghost, GhostModel):
+        raise TypeError(f"{where}(ghost, ...): expected a GhostModel from "
+                        f"make_ghost_model(module), got {type(ghost).__name__}")
+    sigma = float(noise_multiplier)
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"{where}(noise_multiplier=...): expected a finite number >= 0, got "
+                         f"{noise_multiplier!r}")
+    q = float(sample_rate)
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"{where}(sample_rate=...): expected a probability in (0, 1], got "
+                         f"{sample_rate!r}")
+    if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1:
+        raise ValueError(f"{where}(dataset_size=...): expected an int >= 1, got "
+                         f"{dataset_size!r}")
+    thresholds, total = _layer_thresholds(ghost, max_grad_norm, clipping)
+    return DPTrainStep(ghost, loss_fn, optimizer, noise_multiplier=sigma, sample_rate=q,
+                       dataset_size=dataset_size, thresholds=thresholds, total=total)

@@ -1,0 +1,116 @@
+"""Per-sample gradients of a batch in factored (ghost) form: norms, weighted sums, tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from torchfn.functional._ghost_layers import Prepared, Rule
+
+__all__ = ["GhostGrads", "GhostResult"]
+
+TensorDict = dict[str, Tensor]
+
+
+class Layer(NamedTuple):
+    module: nn.Module  # the layer (meta tensors; only its structure and settings are used)
+    rule: Rule
+    params: dict[str, str]  # local name -> global (make_functional) name
+    buffers: dict[str, str]
+
+
+class GhostResult(NamedTuple):
+    """What :meth:`GhostModel.per_sample` returns.
+
+    Fields: ``grads`` (:class:`GhostGrads`), ``losses`` ``(B,)`` (per-sample losses),
+    ``outputs`` (the model's outputs), ``new_buffers`` (as from ``model_fn``).
+    """
+
+    grads: GhostGrads
+    losses: Tensor
+    outputs: Any
+    new_buffers: TensorDict
+
+
+class GhostGrads:
+    """The per-sample gradients of one batch in factored (ghost) form.
+
+    Built by :meth:`GhostModel.per_sample`. Holds, per layer, what its rule needs (input
+    activations and output gradients, or small instantiated per-sample gradients).
+    ``layer_names`` (tuple) lists the layers called in this batch; ``batch_size`` is ``B``.
+    """
+
+    def __init__(self, layers: dict[str, Prepared], spec: dict[str, Layer],
+                 params: Mapping[str, Tensor], frozen: tuple[str, ...], batch_size: int,
+                 like: Tensor) -> None:
+        self._layers, self._spec, self._params = layers, spec, params
+        self._frozen, self.batch_size, self._like = frozen, batch_size, like
+        self.layer_names = tuple(layers)
+
+    def sq_norms(self, per_layer: bool = False) -> Tensor | TensorDict:
+        """Return the ``(B,)`` squared per-sample gradient norms (all parameters together).
+
+        With ``per_layer=True`` return ``{layer_name: (B,)}`` for every trainable layer of
+        the model (zeros for a layer this batch did not call); their sum is the total.
+
+        Example::
+
+            >>> ghost, params, buffers = make_ghost_model(nn.Linear(3, 2))
+            >>> loss_fn = lambda out, y: ((out - y) ** 2).sum(1)
+            >>> res = ghost.per_sample(params, buffers, torch.randn(5, 3), torch.randn(5, 2),
+            ...                        loss_fn)
+            >>> res.grads.sq_norms().shape, list(res.grads.sq_norms(per_layer=True))
+            (torch.Size([5]), [''])
+        """
+        zeros = self._like.new_zeros(self.batch_size)
+        out = {name: (self._layers[name].sq_norms().to(zeros.dtype) if name in self._layers
+                      else zeros) for name in self._spec}
+        if per_layer:
+            return out
+        total = zeros
+        for v in out.values():
+            total = total + v
+        return total
+
+    def weighted_sum(self, coef: Tensor | Mapping[str, Tensor]) -> TensorDict:
+        """Return ``{param_name: sum_i coef_i grad_i}``, shaped like the parameters.
+
+        ``coef`` is ``(B,)`` for all layers, or ``{layer_name: (B,)}`` (per-layer clipping;
+        every trainable layer must be present). With ``coef_i = min(1, C / ||grad_i||)`` this
+        is DP-SGD's clipped sum, computed book-keeping style (one GEMM per linear/conv layer
+        from the recorded activations and output gradients; no second backward). With ones it
+        is the ordinary summed gradient. Frozen parameters get zeros.
+        """
+        if isinstance(coef, Mapping):
+            missing = [n for n in self._spec if n not in coef]
+            if missing:
+                raise ValueError(f"GhostGrads.weighted_sum(coef=...): per-layer coef is missing "
+                                 f"layers {missing} (expected keys {list(self._spec)})")
+        out: TensorDict = {}
+        for name, layer in self._spec.items():
+            c = coef[name] if isinstance(coef, Mapping) else coef
+            sums = self._layers[name].weighted_sum(c) if name in self._layers else {}
+            for loc, glob in layer.params.items():
+                p = self._params[glob]
+                out[glob] = sums[loc].to(p.dtype) if loc in sums else torch.zeros_like(p)
+        for glob in self._frozen:
+            out[glob] = torch.zeros_like(self._params[glob])
+        return {k: out[k] for k in self._params}
+
+    def materialize(self) -> TensorDict:
+        """Return ``{param_name: (B, *param.shape)}``: every per-sample gradient, explicitly.
+
+        For tests, small models and statistics that need more than norms; memory is ``B``
+        times the (trainable) model. Frozen parameters are left out.
+        """
+        out: TensorDict = {}
+        for name, layer in self._spec.items():
+            grads = self._layers[name].materialize() if name in self._layers else {}
+            for loc, glob in layer.params.items():
+                p = self._params[glob]
+                out[glob] = (grads[loc].to(p.dtype) if loc in grads
+                             else p.new_zeros(self.batch_size, *p.shape))
+        return {k: out[k] for k in self._params if k in out}

@@ -1,0 +1,348 @@
+"""Per-layer rules of ghost per-sample gradients: norms, weighted sums, materialisation.
+
+Every rule turns what one forward and one backward left behind for a layer -- the inputs of
+each call of the layer (``calls``: ``(args, kwargs)``) and the gradients of the summed loss
+with respect to each call's outputs (``grads``: one list of tensors per call, batch dim 0) --
+into a :class:`Prepared` object with three methods:
+
+- ``sq_norms()`` -> ``(B,)``: ``||grad_theta l_i||^2`` over the layer's parameters;
+- ``weighted_sum(coef)`` -> ``{local_name: tensor}``: ``sum_i coef_i grad_theta l_i``
+  (book-keeping DP-SGD's clipped sum; no second backward through the model);
+- ``materialize()`` -> ``{local_name: (B, *shape)}``: the per-sample gradients themselves.
+
+Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated along time):
+
+- ``nn.Linear``: ``G_i = g_i^T a_i`` with ``a = x`` flattened to ``(B, T, d_in)``; norms and sums
+  by :func:`torchfn.ops.linear_grad_norms_sq` / :func:`torchfn.ops.clipped_linear_grad_sum`.
+- ``nn.Conv1d``/``nn.Conv2d``: the same with ``a`` = the input unfolded into patches
+  ``(B, L, C_in/groups * prod(kernel))`` (any stride, padding -- also ``'same'`` and non-zero
+  padding modes --, dilation; groups handled block by block).
+- ``nn.Embedding``: ``G_i[v] = sum_{t: id_it = v} g_it``; ``||G_i||^2`` sums the squared
+  norms of the per-id segment sums after a per-sample sort (``O(B T D)``, no ``T x T`` Gram);
+  ``padding_idx`` rows get no gradient.
+- normalisation layers and the vmap fallback instantiate per-sample gradients
+  (:mod:`torchfn.functional._ghost_instantiated`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchfn.ops import (
+    clipped_linear_bias_grad_sum,
+    clipped_linear_grad_sum,
+    linear_bias_grad_norms_sq,
+    linear_grad_norms_sq,
+)
+
+__all__: list[str] = []  # private: used by torchfn.functional._ghost_norms
+
+Calls = Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
+Grads = Sequence[Sequence[Tensor]]
+TensorDict = dict[str, Tensor]
+
+class GhostLayerError(ValueError):
+    """A layer that ghost per-sample gradients cannot handle (the message says why and how)."""
+
+
+def input_of(args: tuple[Any, ...], kwargs: dict[str, Any], kind: str, name: str) -> Tensor:
+    """Return the single input tensor of a call of a built-in layer."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, Tensor) or len(args) + len(kwargs) != 1:
+        raise GhostLayerError(
+            f"ghost layer {name!r} ({kind}): expected one tensor input per call, got "
+            f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+        )
+    return x
+
+
+def _coef(coef: Tensor, like: Tensor) -> Tensor:
+    return coef.to(like.dtype)
+
+
+def _common(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """Cast ``a`` and ``g`` to one dtype (autocast may leave them different)."""
+    dtype = torch.promote_types(a.dtype, g.dtype)
+    return a.to(dtype), g.to(dtype)
+
+
+class Prepared:
+    """One layer's per-sample gradients in a form the three methods can use (see module doc)."""
+
+    def sq_norms(self) -> Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def weighted_sum(self, coef: Tensor) -> TensorDict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def materialize(self) -> TensorDict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Instantiated(Prepared):
+    """Per-sample gradients held explicitly (small parameters, or the vmap fallback)."""
+
+    def __init__(self, grads: TensorDict) -> None:
+        self.grads = grads
+
+    def sq_norms(self) -> Tensor:
+        return sum(g.flatten(1).square().sum(1) for g in self.grads.values())  # type: ignore[return-value]
+
+    def weighted_sum(self, coef: Tensor) -> TensorDict:
+        return {k: torch.tensordot(_coef(coef, g), g, dims=1) for k, g in self.grads.items()}
+
+    def materialize(self) -> TensorDict:
+        return dict(self.grads)
+
+
+class _LinearLike(Prepared):
+    """``G_i = sum_t g_it^T a_it`` per group of a (grouped) linear map; optional bias."""
+
+    def __init__(self, a: Tensor, g: Tensor, groups: int, weight_shape: torch.Size,
+                 bias: bool) -> None:
+        self.a, self.g = _common(a, g)  # (B, d_in) / (B, d_out) or (B, T, d_in) / (B, T, d_out)
+        self.groups, self.weight_shape, self.bias = groups, weight_shape, bias
+
+    def _grouped(self) -> tuple[Tensor, Tensor]:
+        """``a`` and ``g`` as ``(B, T, G, k)`` and ``(B, T, G, o)``."""
+        a, g, n = self.a, self.g, self.groups
+        if a.dim() == 2:
+            a, g = a[:, None], g[:, None]
+        return a.unflatten(-1, (n, -1)), g.unflatten(-1, (n, -1))
+
+    def sq_norms(self) -> Tensor:
+        if self.groups == 1:
+            return linear_grad_norms_sq(self.a, self.g, bias=self.bias)
+        a, g = self._grouped()
+        b, t, n = a.shape[:3]
+        a_f = a.transpose(1, 2).reshape(b * n, t, a.shape[-1])
+        g_f = g.transpose(1, 2).reshape(b * n, t, g.shape[-1])
+        out = linear_grad_norms_sq(a_f, g_f).view(b, n).sum(1)
+        return out + linear_bias_grad_norms_sq(self.g) if self.bias else out
+
+    def weighted_sum(self, coef: Tensor) -> TensorDict:
+        c = _coef(coef, self.a)
+        if self.groups == 1:
+            w = _weighted_gemm(self.a, self.g, c)
+        else:
+            a, g = self._grouped()
+            w = torch.einsum("btgo,btgk->gok", g * c[:, None, None, None], a)
+        out = {"weight": w.reshape(self.weight_shape)}
+        if self.bias:
+            out["bias"] = clipped_linear_bias_grad_sum(self.g, c)
+        return out
+
+    def materialize(self) -> TensorDict:
+        a, g = self._grouped()
+        w = torch.einsum("btgo,btgk->bgok", g, a)
+        out = {"weight": w.reshape(a.shape[0], *self.weight_shape)}
+        if self.bias:
+            out["bias"] = g.sum(1).flatten(1)
+        return out
+
+
+def _weighted_gemm(a: Tensor, g: Tensor, c: Tensor) -> Tensor:
+    """``sum_i c_i g_i^T a_i``: torchfn's op (its kernel) eagerly; one GEMM when compiling.
+
+    Under ``torch.compile`` the op runs its reference twin, a three-operand einsum that
+    Inductor lowers to a batched GEMM materialising ``(B, d_out, d_in)``; scaling ``g`` first
+    makes it a single ``(B T, d_out)^T (B T, d_in)`` GEMM.
+    """
+    if not torch.compiler.is_compiling():
+        return clipped_linear_grad_sum(a, g, c)
+    scaled = g * c.reshape(-1, *([1] * (g.dim() - 1)))
+    return scaled.reshape(-1, g.shape[-1]).transpose(0, 1) @ a.reshape(-1, a.shape[-1])
+
+
+def _as_time(x: Tensor, batch: int) -> Tensor:
+    """``(B, ..., d)`` -> ``(B, T, d)`` (``(B, d)`` -> ``(B, 1, d)``)."""
+    return x.reshape(batch, -1, x.shape[-1])
+
+
+def _cat_time(pairs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Concatenate the ``(a, g)`` of several calls along time; one 2-D call stays 2-D."""
+    if len(pairs) == 1:
+        return pairs[0]
+    a = torch.cat([_as_time(p[0], p[0].shape[0]) for p in pairs], 1)
+    g = torch.cat([_as_time(p[1], p[1].shape[0]) for p in pairs], 1)
+    return a, g
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules
+
+
+class Rule:
+    """How ghost per-sample gradients treat one kind of layer."""
+
+    kind = "fallback"
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Raise :class:`GhostLayerError` if ``module`` has settings this rule cannot handle."""
+
+    def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
+                calls: Calls, grads: Grads) -> Prepared:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class LinearRule(Rule):
+    kind = "linear"
+
+    def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
+                calls: Calls, grads: Grads) -> Prepared:
+        pairs = []
+        for (args, kwargs), (g,) in zip(calls, grads, strict=True):
+            x = input_of(args, kwargs, self.kind, name)
+            if x.dim() < 2:
+                raise GhostLayerError(f"ghost layer {name!r} (Linear): expected a batched input "
+                                      f"(B, ..., d_in), got shape {tuple(x.shape)}")
+            if x.dim() > 3:
+                x, g = _as_time(x, x.shape[0]), _as_time(g, g.shape[0])
+            pairs.append((x, g))
+        a, g = _cat_time(pairs)
+        weight = params["weight"]
+        return _LinearLike(a.to(weight.dtype), g.to(weight.dtype), 1, weight.shape,
+                           "bias" in params)
+
+
+def _pair(v: Any, n: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+class ConvRule(Rule):
+    """``nn.Conv1d`` / ``nn.Conv2d`` through ``F.unfold`` (1-D as height-1 2-D)."""
+
+    kind = "conv"
+
+    def check(self, module: nn.Module, name: str) -> None:
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        if module.padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+            raise GhostLayerError(f"ghost layer {name!r}: unsupported padding_mode "
+                                  f"{module.padding_mode!r}")
+
+    def _patches(self, m: nn.Conv1d | nn.Conv2d, x: Tensor, name: str) -> Tensor:
+        nd = 1 if isinstance(m, nn.Conv1d) else 2
+        if x.dim() != nd + 2:
+            raise GhostLayerError(
+                f"ghost layer {name!r} ({type(m).__name__}): expected a batched input with "
+                f"{nd + 2} dims (B, C, {'L' if nd == 1 else 'H, W'}), got shape "
+                f"{tuple(x.shape)}"
+            )
+        k, s, d = _pair(m.kernel_size, nd), _pair(m.stride, nd), _pair(m.dilation, nd)
+        if isinstance(m.padding, str) or m.padding_mode != "zeros":
+            if m.padding == "same":
+                total = [dd * (kk - 1) for dd, kk in zip(d, k, strict=True)]
+                lr = [(t // 2, t - t // 2) for t in total]
+            elif m.padding == "valid":
+                lr = [(0, 0)] * nd
+            else:
+                lr = [(p, p) for p in _pair(m.padding, nd)]
+            flat = [v for pair in reversed(lr) for v in pair]  # F.pad: last dim first
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            x = F.pad(x, flat, mode=mode)
+            pad: tuple[int, ...] = (0,) * nd
+        else:
+            pad = _pair(m.padding, nd)
+        if nd == 1:
+            x = x.unsqueeze(2)
+            k, s, d, pad = (1, *k), (1, *s), (1, *d), (0, *pad)
+        cols = F.unfold(x, k, dilation=d, padding=pad, stride=s)  # (B, C*prod(k), L)
+        return cols.transpose(1, 2)
+
+    def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
+                calls: Calls, grads: Grads) -> Prepared:
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        weight = params["weight"]
+        pairs = []
+        for (args, kwargs), (g,) in zip(calls, grads, strict=True):
+            x = input_of(args, kwargs, self.kind, name)
+            a = self._patches(module, x.to(weight.dtype), name)
+            pairs.append((a, g.to(weight.dtype).flatten(2).transpose(1, 2)))
+        a = torch.cat([p[0] for p in pairs], 1) if len(pairs) > 1 else pairs[0][0]
+        g = torch.cat([p[1] for p in pairs], 1) if len(pairs) > 1 else pairs[0][1]
+        return _LinearLike(a, g, module.groups, weight.shape, "bias" in params)
+
+
+class _EmbeddingGrads(Prepared):
+    def __init__(self, ids: Tensor, g: Tensor, num_embeddings: int) -> None:
+        self.ids, self.g, self.n = ids, g, num_embeddings  # (B, T), (B, T, D); padding zeroed
+
+    def sq_norms(self) -> Tensor:
+        # ||G_i||^2 = sum over distinct ids v of ||sum_{t: id_t = v} g_t||^2: sort each sample's
+        # ids, number the runs of equal ids, sum g within runs, square, sum.
+        ids, order = torch.sort(self.ids, dim=1)
+        g = torch.gather(self.g, 1, order[..., None].expand_as(self.g))
+        new_run = torch.ones_like(ids, dtype=torch.bool)
+        new_run[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        run = torch.cumsum(new_run.long(), 1) - 1
+        sums = torch.zeros_like(g).scatter_add(1, run[..., None].expand_as(g), g)
+        return sums.flatten(1).square().sum(1)
+
+    def weighted_sum(self, coef: Tensor) -> TensorDict:
+        d = self.g.shape[-1]
+        src = (self.g * _coef(coef, self.g)[:, None, None]).reshape(-1, d)
+        w = self.g.new_zeros(self.n, d).index_add(0, self.ids.reshape(-1), src)
+        return {"weight": w}
+
+    def materialize(self) -> TensorDict:
+        b, _, d = self.g.shape
+        idx = self.ids[..., None].expand_as(self.g)
+        return {"weight": self.g.new_zeros(b, self.n, d).scatter_add(1, idx, self.g)}
+
+
+class EmbeddingRule(Rule):
+    kind = "embedding"
+
+    def check(self, module: nn.Module, name: str) -> None:
+        assert isinstance(module, nn.Embedding)
+        if module.max_norm is not None:
+            raise GhostLayerError(
+                f"ghost layer {name!r}: nn.Embedding(max_norm={module.max_norm}) renormalises "
+                "its weight in place during the forward, which per-sample gradients (and "
+                "pure functions) cannot follow; use max_norm=None"
+            )
+        if module.scale_grad_by_freq:
+            raise GhostLayerError(
+                f"ghost layer {name!r}: nn.Embedding(scale_grad_by_freq=True) scales gradients "
+                "by word counts over the whole batch, which mixes samples; per-sample "
+                "gradients are undefined. Use scale_grad_by_freq=False"
+            )
+
+    def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
+                calls: Calls, grads: Grads) -> Prepared:
+        assert isinstance(module, nn.Embedding)
+        weight = params["weight"]
+        all_ids, all_g = [], []
+        for (args, kwargs), (g,) in zip(calls, grads, strict=True):
+            ids = input_of(args, kwargs, self.kind, name)
+            if ids.dim() < 1:
+                raise GhostLayerError(f"ghost layer {name!r} (Embedding): expected batched ids "
+                                      f"(B, ...), got shape {tuple(ids.shape)}")
+            b = ids.shape[0]
+            ids, g = ids.reshape(b, -1), g.to(weight.dtype).reshape(b, -1, weight.shape[1])
+            if module.padding_idx is not None:
+                g = g * (ids != module.padding_idx)[..., None].to(g.dtype)
+            all_ids.append(ids)
+            all_g.append(g)
+        ids = torch.cat(all_ids, 1) if len(all_ids) > 1 else all_ids[0]
+        g = torch.cat(all_g, 1) if len(all_g) > 1 else all_g[0]
+        return _EmbeddingGrads(ids, g, module.num_embeddings)
+
+
+def batch_dims_ok(calls: Calls, grads: Grads, batch: int) -> str | None:
+    """Return a description of the first recorded output whose dim 0 is not ``batch``."""
+    for k, g in enumerate(grads):
+        for t in g:
+            if t.dim() == 0 or t.shape[0] != batch:
+                return f"call {k} has an output of shape {tuple(t.shape)}"
+    return None
+
+
+def local(d: Mapping[str, Tensor], names: Mapping[str, str]) -> TensorDict:
+    """``{local: d[global]}`` for a ``{local: global}`` name map."""
+    return {loc: d[glob] for loc, glob in names.items()}

@@ -1,0 +1,398 @@
+"""Per-sample gradient norms without per-sample gradients ("ghost" norms), hook-free.
+
+How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)``):
+
+1. :func:`make_ghost_model` deep-copies the module and wraps every *layer* -- a built-in layer
+   torchfn has a rule for (``nn.Linear``, ``nn.Conv1d/2d``, ``nn.Embedding``,
+   ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``), or else the
+   outermost module that
+   owns parameters directly (the vmap fallback owns its whole subtree) -- in a tap. A tap
+   shares the layer's parameter/buffer/child dicts, so names and :func:`make_functional`'s
+   slot swapping are unchanged, and calls the layer as usual. The copy then goes through
+   :func:`make_functional`.
+2. :meth:`GhostModel.per_sample` runs ``torch.func.grad`` of ``sum_i loss_i`` with respect to
+   zero "probe" tensors only (parameters are constants: no weight gradients are formed). In
+   that pass every tap records its call's inputs on a tape (a plain Python object; Dynamo
+   replays the writes) and returns ``layer(x) + probe``. So one backward yields each layer's
+   output gradient ``g``, which for a sum of per-sample losses holds each sample's own
+   gradient in its batch row. The probes' shapes come from a no-grad shape pass: cached per
+   input signature in eager mode, traced (and dead-code-eliminated) under ``torch.compile``.
+3. :class:`GhostGrads` applies each layer's rule (:mod:`torchfn.functional._ghost_layers`)
+   to the recorded ``(x, g)``: squared norms, weighted sums (book-keeping DP-SGD) or the
+   materialised per-sample gradients.
+
+Limits: the batch is dim 0 of every layer input and output; a parameter must be used only
+inside the forward of the layer that owns it (a weight tied between two layers, or read by a
+parent as ``F.linear(x, self.head.weight)``, makes the norms wrong -- tied parameters are
+refused, and :func:`check_ghost_coverage` detects the rest); layers must not mix samples
+(BatchNorm in training mode is refused).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torchfn.functional._ghost_grads import GhostGrads, GhostResult, Layer
+from torchfn.functional._ghost_instantiated import refuse_batchnorm_training, rule_for
+from torchfn.functional._ghost_layers import (
+    Calls,
+    GhostLayerError,
+    Prepared,
+    batch_dims_ok,
+    local,
+)
+from torchfn.functional._ghost_tape import (
+    Tap,
+    Tape,
+    fill_slots,
+    input_signature,
+    template_of,
+    tensors_of,
+    to_meta_,
+)
+from torchfn.functional._stateless import FunctionalModel, make_functional
+
+__all__ = [
+    "GhostGrads",
+    "GhostLayerError",
+    "GhostModel",
+    "GhostResult",
+    "check_ghost_coverage",
+    "ghost_grad_norms",
+    "make_ghost_model",
+]
+
+TensorDict = dict[str, Tensor]
+LossFn = Callable[[Any, Any], Tensor]
+_SHAPE_CACHE_SIZE = 64  # eager probe-shape entries kept per GhostModel (oldest dropped)
+
+
+class GhostModel:
+    """A stateless model instrumented for ghost per-sample gradients (see the module doc).
+
+    Built by :func:`make_ghost_model`. ``ghost(params, buffers, *args, **kwargs)`` is the
+    plain forward, ``(outputs, new_buffers)``, exactly like :func:`make_functional`'s
+    ``model_fn`` (so it also serves for evaluation and non-private training).
+    :meth:`per_sample` runs one forward and one backward and returns :class:`GhostGrads`.
+
+    Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
+    "embedding" | "norm" | "fallback"}``), ``layer_params`` (``{layer: (param names)}``),
+    ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
+    noised), ``param_names``, ``buffer_names``, ``training``.
+    """
+
+    def __init__(self, model_fn: FunctionalModel, tape: Tape, layers: dict[str, Layer],
+                 frozen: tuple[str, ...]) -> None:
+        self._model_fn, self._tape, self._layers, self.frozen = model_fn, tape, layers, frozen
+        self._shape_cache: dict[Any, Any] = {}
+        self.layer_names = tuple(layers)
+        self.layer_kinds = {n: lay.rule.kind for n, lay in layers.items()}
+        self.layer_params = {n: tuple(lay.params.values()) for n, lay in layers.items()}
+        self.param_names = model_fn.param_names
+        self.buffer_names = model_fn.buffer_names
+
+    @property
+    def training(self) -> bool:
+        """Whether the model is in training mode."""
+        return self._model_fn.training
+
+    def train(self, mode: bool = True) -> GhostModel:
+        """Return a new GhostModel in training mode ``mode`` (``self`` is unchanged)."""
+        layers = {}
+        for n, lay in self._layers.items():
+            module = copy.deepcopy(lay.module).train(mode)
+            refuse_batchnorm_training(module, n)
+            layers[n] = lay._replace(module=module)
+        return GhostModel(self._model_fn.train(mode), self._tape, layers, self.frozen)
+
+    def eval(self) -> GhostModel:
+        """Return a new GhostModel in eval mode."""
+        return self.train(False)
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{n or '<root>'}: {k}" for n, k in self.layer_kinds.items())
+        return f"GhostModel(training={self.training}, layers={{{kinds}}})"
+
+    def __call__(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], /,
+                 *args: Any, **kwargs: Any) -> tuple[Any, TensorDict]:
+        """Return ``(module(*args, **kwargs), new_buffers)``: the plain forward."""
+        return self._model_fn(params, buffers, *args, **kwargs)
+
+    def _probe_specs(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+                     inputs: Any) -> dict[str, list[list[tuple[torch.Size, torch.dtype, Any]]]]:
+        compiling = torch.compiler.is_compiling()
+        key = None if compiling else input_signature(params, inputs, self.training)
+        if key is not None and key in self._shape_cache:
+            return self._shape_cache[key]
+        tape = self._tape
+        tape.reset()
+        tape.mode = "shape"
+        try:
+            with torch.no_grad():
+                if compiling:
+                    self._model_fn(params, buffers, inputs)
+                else:  # a real forward: keep the random streams as they were
+                    devices = sorted({t.device.index or 0 for t in params.values()
+                                      if t.device.type == "cuda"})
+                    with torch.random.fork_rng(devices=devices):
+                        self._model_fn(params, buffers, inputs)
+            shapes = tape.shapes
+        finally:
+            tape.reset()
+        if key is not None:
+            if len(self._shape_cache) >= _SHAPE_CACHE_SIZE:  # e.g. many sequence lengths
+                self._shape_cache.pop(next(iter(self._shape_cache)))
+            self._shape_cache[key] = shapes
+        return shapes
+
+    def per_sample(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+                   inputs: Any, targets: Any, loss_fn: LossFn) -> GhostResult:
+        """Run one forward and one backward; return per-sample gradients in ghost form.
+
+        ``outputs, new_buffers = ghost(params, buffers, inputs)``; ``loss_fn(outputs,
+        targets)`` must return the ``(B,)`` per-sample losses (e.g. ``F.cross_entropy(...,
+        reduction="none")``); sample ``i``'s gradient is that of ``losses[i]``. Works under
+        ``torch.compile(fullgraph=True)``.
+
+        Example::
+
+            >>> import torch.nn.functional as F
+            >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+            >>> ghost, params, buffers = make_ghost_model(net)
+            >>> x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+            >>> loss_fn = lambda out, y: F.cross_entropy(out, y, reduction="none")
+            >>> res = ghost.per_sample(params, buffers, x, y, loss_fn)
+            >>> res.grads.sq_norms().shape, res.losses.shape
+            (torch.Size([6]), torch.Size([6]))
+            >>> res.grads.weighted_sum(torch.ones(6))["0.weight"].shape  # the summed gradient
+            torch.Size([8, 4])
+        """
+        specs = self._probe_specs(params, buffers, inputs)
+        probes = {name: [[torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in call]
+                         for call in calls] for name, calls in specs.items()}
+        tape = self._tape
+        static: dict[str, Any] = {}
+
+        def objective(probes: dict[str, list[list[Tensor]]]) -> tuple[Tensor, Any]:
+            tape.reset()
+            tape.mode, tape.probes = "record", probes
+            try:
+                outputs, new_buffers = self._model_fn(params, buffers, inputs)
+                calls = tape.calls
+            finally:
+                tape.reset()
+            losses = loss_fn(outputs, targets)
+            if not isinstance(losses, Tensor) or losses.dim() != 1:
+                seen = (f"shape {tuple(losses.shape)}" if isinstance(losses, Tensor)
+                        else type(losses).__name__)
+                raise ValueError(
+                    "GhostModel.per_sample: loss_fn(outputs, targets) must return the (B,) "
+                    f"per-sample losses (e.g. reduction='none'), got {seen}"
+                )
+            saved = {}
+            for name, cs in calls.items():
+                static[name] = template_of(cs)
+                saved[name] = tensors_of(cs, [])
+            return losses.sum(), (losses, outputs, new_buffers, saved)
+
+        grads, (losses, outputs, new_buffers, saved) = torch.func.grad(
+            objective, has_aux=True)(probes)
+        batch = losses.shape[0]
+        prepared: dict[str, Prepared] = {}
+        for name, tensors in saved.items():
+            calls: Calls = fill_slots(static[name], iter(tensors))
+            bad = batch_dims_ok(calls, grads[name], batch)
+            if bad is not None:
+                raise GhostLayerError(
+                    f"ghost layer {name!r}: {bad}, but the batch size (of the per-sample "
+                    f"losses) is {batch}; ghost per-sample gradients need the batch in dim 0 "
+                    "of every layer input and output. A layer applied to inputs shared by "
+                    "the batch (e.g. a positional embedding of arange(T)) must get them "
+                    "expanded to the batch: pos(torch.arange(T).expand(B, T))"
+                )
+            layer = self._layers[name]
+            prepared[name] = layer.rule.prepare(
+                layer.module, name, local(params, layer.params), local(buffers, layer.buffers),
+                calls, grads[name])
+        like = losses.detach()
+        ghost_grads = GhostGrads(prepared, self._layers, params, self.frozen, batch, like)
+        return GhostResult(ghost_grads, losses, outputs, new_buffers)
+
+
+def _direct_params(m: nn.Module) -> list[Tensor]:
+    return [p for p in m._parameters.values() if p is not None]
+
+
+def make_ghost_model(
+    module: nn.Module, *, fallback_chunk_size: int | None = None
+) -> tuple[GhostModel, TensorDict, TensorDict]:
+    """Return ``(ghost, params, buffers)``: ``module`` instrumented for ghost per-sample grads.
+
+    ``params``/``buffers`` are those of ``make_functional(module)`` (same keys, detached
+    clones), so one dict serves both. Layers: the built-in ``nn.Linear``, ``nn.Conv1d``,
+    ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm`` get
+    exact closed-form rules, and so does ``nn.BatchNorm1d/2d/3d`` in eval mode (subclasses are
+    treated as unknown); every other module that owns
+    parameters directly becomes one layer handled by the vmap fallback, together with all its
+    submodules (e.g. ``nn.MultiheadAttention``, which reads its ``out_proj`` weights itself).
+    ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
+
+    Refused with :class:`GhostLayerError`: parameters shared between layers, BatchNorm in
+    training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
+    ``nn.MultiheadAttention(batch_first=False)``, a layer whose parameters are partly frozen.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+        >>> ghost, params, buffers = make_ghost_model(net)
+        >>> ghost.layer_kinds
+        {'0': 'conv', '2': 'linear'}
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"make_ghost_model(module): expected an nn.Module, got "
+                        f"{type(module).__name__}")
+    tape = Tape()
+    root_holder = nn.Module()
+    root_holder.root = copy.deepcopy(module)
+    # the primary (first, as in make_functional) name of every parameter and buffer tensor
+    primary: dict[int, str] = {}
+    for n, t in [*root_holder.root.named_parameters(remove_duplicate=False),
+                 *root_holder.root.named_buffers(remove_duplicate=False)]:
+        primary.setdefault(id(t), n)
+
+    layers: dict[str, Layer] = {}
+    frozen: list[str] = []
+    owner: dict[int, str] = {}
+
+    def adopt(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
+        rule = rule_for(m, fallback_chunk_size)
+        rule.check(m, name)
+        refuse_batchnorm_training(m, name)
+        named = list(m.named_parameters())
+        for _, p in m.named_parameters(remove_duplicate=False):
+            if id(p) in owner and owner[id(p)] != name:
+                raise GhostLayerError(
+                    f"make_ghost_model: parameter {primary[id(p)]!r} is shared by layers "
+                    f"{owner[id(p)]!r} and {name!r}; ghost per-sample gradients need each "
+                    "parameter inside one layer (untie the weights, or wrap both uses in one "
+                    "module, which then becomes a single fallback layer)"
+                )
+            owner[id(p)] = name
+        trainable = [p.requires_grad for _, p in named]
+        if not any(trainable):
+            frozen.extend(primary[id(p)] for _, p in named)
+            return
+        if not all(trainable):
+            raise GhostLayerError(
+                f"make_ghost_model: layer {name!r} has trainable and frozen parameters "
+                f"({[n for n, p in named if not p.requires_grad]} are frozen); freeze whole "
+                "layers only"
+            )
+        params = {loc: primary[id(p)] for loc, p in named}
+        buffers = {loc: primary[id(b)] for loc, b in m.named_buffers()}
+        layers[name] = Layer(m, rule, params, buffers)
+        parent._modules[attr] = Tap(m, name, tape)
+
+    def visit(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
+        if rule_for(m).kind != "fallback" or _direct_params(m):
+            if any(True for _ in m.parameters()):
+                adopt(parent, attr, m, name)
+            return
+        for child_attr, child in list(m._modules.items()):
+            if child is not None:
+                visit(m, child_attr, child, f"{name}.{child_attr}" if name else child_attr)
+
+    visit(root_holder, "root", root_holder.root, "")
+    tapped = root_holder.root
+    model_fn, params, buffers = make_functional(tapped, replace_batchnorm=False)
+    memo: dict[int, Tensor] = {}
+    for lay in layers.values():  # keep structure and settings only
+        to_meta_(lay.module, memo)
+    return GhostModel(model_fn, tape, layers, tuple(frozen)), params, buffers
+
+
+def ghost_grad_norms(
+    ghost: GhostModel, loss_fn: LossFn, *, per_layer: bool = False
+) -> Callable[..., Tensor | TensorDict]:
+    """Return ``fn(params, buffers, inputs, targets)`` -> per-sample gradient norms ``(B,)``.
+
+    The L2 norm of each sample's gradient over all parameters, from ghost norms (no
+    per-sample gradient of a linear/conv/embedding layer is formed). ``loss_fn(outputs,
+    targets)`` returns the ``(B,)`` per-sample losses. ``per_layer=True`` returns
+    ``{layer_name: (B,)}`` norms instead. Works under ``torch.compile(fullgraph=True)``.
+
+    Example::
+
+        >>> import torch.nn.functional as F
+        >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 3))
+        >>> norms = ghost_grad_norms(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"))
+        >>> norms(params, buffers, torch.randn(5, 4), torch.randint(0, 3, (5,))).shape
+        torch.Size([5])
+    """
+
+    def fn(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], inputs: Any,
+           targets: Any) -> Tensor | TensorDict:
+        sq = ghost.per_sample(params, buffers, inputs, targets, loss_fn).grads.sq_norms(
+            per_layer=per_layer)
+        if isinstance(sq, dict):
+            return {k: v.clamp_min(0).sqrt() for k, v in sq.items()}
+        return sq.clamp_min(0).sqrt()
+
+    return fn
+
+
+def check_ghost_coverage(
+    ghost: GhostModel,
+    loss_fn: LossFn,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    inputs: Any,
+    targets: Any,
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+) -> None:
+    """Raise ``ValueError`` unless ghost gradients add up to autograd's gradient on this batch.
+
+    Compares ``GhostGrads.weighted_sum(ones)`` with ``torch.func.grad`` of ``sum_i loss_i``
+    for every parameter. A mismatch means some parameter is used outside the forward of the
+    layer that owns it (a parent reading ``self.head.weight``, weights tied by reference in
+    ``forward``) or a layer mixes samples; per-sample norms would then be wrong. Run it once,
+    eagerly, on a real batch before training (float64 gives the sharpest check).
+
+    Example::
+
+        >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 3))
+        >>> check_ghost_coverage(ghost, lambda o, y: ((o - y) ** 2).sum(1), params, buffers,
+        ...                      torch.randn(5, 4), torch.randn(5, 3))
+    """
+    res = ghost.per_sample(params, buffers, inputs, targets, loss_fn)
+    summed = res.grads.weighted_sum(torch.ones_like(res.losses))
+
+    def total(p: Mapping[str, Tensor]) -> Tensor:
+        return loss_fn(ghost(p, buffers, inputs)[0], targets).sum()
+
+    trainable = {k: v for k, v in params.items() if k not in ghost.frozen}
+    ref = torch.func.grad(lambda p: total({**params, **p}))(trainable)
+    bad = []
+    for k, r in ref.items():
+        if not torch.allclose(summed[k], r, rtol=rtol, atol=atol):
+            err = (summed[k] - r).abs().max().item()
+            bad.append(f"{k!r} (max abs error {err:.3g}, |grad| max {r.abs().max().item():.3g})")
+    if bad:
+        raise ValueError(
+            "check_ghost_coverage: the ghost gradients of " + ", ".join(bad) + " do not match "
+            "autograd. Those parameters are used outside their own layer's forward (e.g. a "
+            "parent module reading a child's weight, or a weight tied inside forward) or a "
+            "layer mixes samples; per-sample norms and DP-SGD clipping would be wrong. Move "
+            "the use into the owning layer's forward or wrap the whole computation in one "
+            "module (which then becomes a single vmap-fallback layer)."
+        )
+    if not math.isfinite(float(res.losses.sum())):
+        raise ValueError("check_ghost_coverage: the losses are not finite on this batch")

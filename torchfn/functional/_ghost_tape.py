@@ -1,0 +1,185 @@
+"""The tape behind ghost per-sample gradients: taps that log layer inputs and add probes.
+
+A :class:`Tap` replaces a layer in :func:`make_ghost_model`'s private copy of a module. It
+shares the layer's parameter/buffer/child dicts (so names and ``make_functional``'s slot
+swapping are unchanged) and calls the layer; while its :class:`Tape` is in ``"shape"`` mode it
+logs output shapes, in ``"record"`` mode it logs the call's ``(args, kwargs)`` and adds a
+zero probe to every floating output. The tape is a plain Python object (``deepcopy`` returns
+it), so the writes are ordinary side effects that Dynamo replays: no hooks, no graph breaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+__all__: list[str] = []  # private to torchfn.functional._ghost_norms
+
+
+class _Slot:
+    """Marks where a tensor was in a :func:`template_of`."""
+
+
+_SLOT = _Slot()
+
+
+def tensors_of(obj: Any, out: list[Tensor]) -> list[Tensor]:
+    """Append the tensors of a nest of tuples/lists/dicts to ``out`` (depth first); return it.
+
+    (optree's flatten is not traceable by Dynamo on these structures; this is.)
+    """
+    if isinstance(obj, Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            tensors_of(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            tensors_of(x, out)
+    return out
+
+
+def template_of(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a slot marker (static Python data only)."""
+    if isinstance(obj, Tensor):
+        return _SLOT
+    if isinstance(obj, list):
+        return [template_of(x) for x in obj]
+    if isinstance(obj, tuple):
+        items = [template_of(x) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, dict):
+        return {k: template_of(v) for k, v in obj.items()}
+    return obj
+
+
+def fill_slots(obj: Any, it: Any) -> Any:
+    """Inverse of :func:`template_of`: put ``next(it)`` into every slot (also into tensors)."""
+    if obj is _SLOT or isinstance(obj, Tensor):
+        return next(it)
+    if isinstance(obj, list):
+        return [fill_slots(x, it) for x in obj]
+    if isinstance(obj, tuple):
+        items = [fill_slots(x, it) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, dict):
+        return {k: fill_slots(v, it) for k, v in obj.items()}
+    return obj
+
+
+class Tape:
+    """Shared scratch space of one GhostModel's taps (never copied: deepcopy returns it)."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None  # None (plain forward), "shape" or "record"
+        self.shapes: dict[str, list[list[tuple[torch.Size, torch.dtype, torch.device]]]] = {}
+        self.probes: dict[str, list[list[Tensor]]] = {}
+        self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tape:
+        return self
+
+    def reset(self) -> None:
+        self.mode, self.shapes, self.probes, self.calls = None, {}, {}, {}
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.is_floating_point()
+
+
+class Tap(nn.Module):
+    """Calls ``inner`` and, while the tape records, logs its inputs and adds the probes."""
+
+    def __init__(self, inner: nn.Module, name: str, tape: Tape) -> None:
+        super().__init__()
+        object.__setattr__(self, "_inner", inner)  # not a child: names stay the layer's own
+        object.__setattr__(self, "_tap_name", name)
+        object.__setattr__(self, "_tape", tape)
+        self._parameters = inner._parameters
+        self._buffers = inner._buffers
+        self._modules = inner._modules
+        self.training = inner.training
+
+    def train(self, mode: bool = True) -> Tap:
+        super().train(mode)
+        self._inner.training = mode
+        return self
+
+    def extra_repr(self) -> str:
+        return f"tap of {type(self._inner).__name__} {self._tap_name!r}"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._inner(*args, **kwargs)
+        tape, name = self._tape, self._tap_name
+        if tape.mode is None:
+            return out
+        leaves = tensors_of(out, [])
+        if tape.mode == "shape":
+            if name not in tape.shapes:
+                tape.shapes[name] = []
+            tape.shapes[name].append([(t.shape, t.dtype, t.device) for t in leaves
+                                      if _is_float(t)])
+            return out
+        if name not in tape.calls:
+            tape.calls[name] = []
+        k = len(tape.calls[name])
+        tape.calls[name].append((args, kwargs))
+        probes = tape.probes.get(name, [])
+        if k >= len(probes):
+            raise RuntimeError(
+                f"ghost layer {name!r} was called more often ({k + 1} times) than in the shape "
+                "pass; its forward must call it the same number of times for the same input "
+                "shapes"
+            )
+        it = iter(probes[k])
+        new = []
+        for t in leaves:
+            if _is_float(t):
+                p = next(it)
+                if p.shape != t.shape:
+                    raise RuntimeError(
+                        f"ghost layer {name!r}: output shape {tuple(t.shape)} differs from the "
+                        f"shape pass ({tuple(p.shape)}); output shapes must depend on input "
+                        "shapes only"
+                    )
+                t = t + p
+            new.append(t)
+        return fill_slots(out, iter(new))
+
+
+def input_signature(params: Mapping[str, Tensor], inputs: Any, training: bool) -> Any:
+    leaves = optree.tree_leaves(inputs)
+    sig: list[Any] = [training]
+    for t in leaves:
+        if isinstance(t, Tensor):
+            sig.append((tuple(t.shape), t.dtype, t.device))
+        else:
+            try:
+                hash(t)
+            except TypeError:
+                return None
+            sig.append(t)
+    sig.extend((t.dtype, t.device) for t in params.values())
+    return tuple(sig)
+
+
+def to_meta_(module: nn.Module, memo: dict[int, Tensor]) -> None:
+    """Replace every parameter/buffer of ``module`` by a meta placeholder, keeping ties.
+
+    (``module.to("meta")`` makes one new Parameter per owner, which unties shared weights;
+    ``functional_call`` would then leave the second alias on its uninitialised placeholder.)
+    """
+    for sub in module.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for name, t in slots.items():
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    meta = torch.empty_like(t, device="meta")
+                    memo[id(t)] = (nn.Parameter(meta, requires_grad=t.requires_grad)
+                                   if isinstance(t, nn.Parameter) else meta)
+                slots[name] = memo[id(t)]
