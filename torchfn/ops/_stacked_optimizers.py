@@ -149,6 +149,27 @@ def _count_on(count: Tensor, device: torch.device) -> Tensor:
     return count if count.device == device else count.to(device, non_blocking=True)
 
 
+def _count_device(params: Params) -> torch.device:
+    """Return the device of the step counter: the first parameter's, or the CPU for none."""
+    leaves = optree.tree_leaves(params)
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _flatten_update(
+    fn: str, updates: Updates, params: Params | None, no_decay: bool
+) -> tuple[str, Any, list, list | None]:
+    """Check an ``update`` call and return ``(where, spec, grads, params_flat_or_None)``."""
+    where = f"{fn}.update(updates, state, params)"
+    if not no_decay and params is None:
+        raise ValueError(f"{where}: weight decay needs the parameters; call "
+                         "update(grads, state, params=params)")
+    _members(where, updates, "updates")
+    spec = optree.tree_structure(updates, none_is_leaf=True)
+    grads = spec.flatten_up_to(updates)
+    ps = None if no_decay else _flatten_like(where, spec, params, "params")
+    return where, spec, grads, ps
+
+
 def stacked_adam(
     lr: float | Tensor | Callable[[Tensor], Any] = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -208,8 +229,7 @@ def stacked_adam(
             return torch.zeros(p.shape, dtype=_moment_dtype(p, moment_dtype, fn),
                                device=p.device, requires_grad=moment_requires_grad)
 
-        leaves = optree.tree_leaves(params)
-        device = leaves[0].device if leaves else torch.device("cpu")
+        device = _count_device(params)
         return StackedAdamState(mu=optree.tree_map(moment, params),
                                 nu=optree.tree_map(moment, params),
                                 count=torch.zeros((), dtype=torch.int64, device=device))
@@ -222,16 +242,9 @@ def stacked_adam(
         inplace: bool = True,
     ) -> tuple[Updates, OptState]:
         del inplace  # always out-of-place
-        where = f"{fn}.update(updates, state, params)"
-        if not no_decay and params is None:
-            raise ValueError(f"{where}: weight decay needs the parameters; call "
-                             "update(grads, state, params=params)")
-        _members(where, updates, "updates")
-        spec = optree.tree_structure(updates, none_is_leaf=True)
-        grads = spec.flatten_up_to(updates)
+        where, spec, grads, ps = _flatten_update(fn, updates, params, no_decay)
         mus = _flatten_like(where, spec, state.mu, "state.mu")
         nus = _flatten_like(where, spec, state.nu, "state.nu")
-        ps = None if no_decay else _flatten_like(where, spec, params, "params")
         lr_now = lr(state.count) if callable(lr) else lr
         count = state.count + 1
         new_u: list[Any] = [None] * len(grads)
@@ -301,8 +314,7 @@ def stacked_sgd(
             return torch.zeros(p.shape, dtype=_moment_dtype(p, moment_dtype, fn),
                                device=p.device)
 
-        leaves = optree.tree_leaves(params)
-        device = leaves[0].device if leaves else torch.device("cpu")
+        device = _count_device(params)
         return StackedSgdState(
             momentum_buffer=optree.tree_map(buffer, params) if use_buf else None,
             count=torch.zeros((), dtype=torch.int64, device=device))
@@ -315,16 +327,9 @@ def stacked_sgd(
         inplace: bool = True,
     ) -> tuple[Updates, OptState]:
         del inplace  # always out-of-place
-        where = f"{fn}.update(updates, state, params)"
-        if not no_decay and params is None:
-            raise ValueError(f"{where}: weight decay needs the parameters; call "
-                             "update(grads, state, params=params)")
-        _members(where, updates, "updates")
-        spec = optree.tree_structure(updates, none_is_leaf=True)
-        grads = spec.flatten_up_to(updates)
+        where, spec, grads, ps = _flatten_update(fn, updates, params, no_decay)
         bufs = (_flatten_like(where, spec, state.momentum_buffer, "state.momentum_buffer")
                 if use_buf else [None] * len(grads))
-        ps = None if no_decay else _flatten_like(where, spec, params, "params")
         lr_now = lr(state.count) if callable(lr) else lr
         count = state.count + 1
         new_u: list[Any] = [None] * len(grads)
