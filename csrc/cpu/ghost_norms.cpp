@@ -34,24 +34,25 @@ void check_pair(const char* op, const at::Tensor& a, const at::Tensor& g,
   check_float_input(op, "g", g, device_type);
   TORCH_CHECK(a.dim() == 2 || a.dim() == 3, "torchfn::", op,
               ": argument 'a' must have 2 dims (batch, d_in) or 3 dims (batch, time, d_in), got "
-              "shape ", a.sizes());
+              "shape ", shape_str(a.sizes()));
   TORCH_CHECK(g.dim() == a.dim(), "torchfn::", op, ": argument 'g' must have as many dims as 'a' ",
-              a.sizes(), ", got shape ", g.sizes());
+              shape_str(a.sizes()), ", got shape ", shape_str(g.sizes()));
   TORCH_CHECK(g.scalar_type() == a.scalar_type(), "torchfn::", op,
               ": argument 'g' must have the dtype of 'a' (", a.scalar_type(), "), got ",
               g.scalar_type());
   TORCH_CHECK(g.device() == a.device(), "torchfn::", op,
               ": argument 'g' must be on the device of 'a' (", a.device(), "), got ", g.device());
   const bool same_lead = a.size(0) == g.size(0) && (a.dim() == 2 || a.size(1) == g.size(1));
-  TORCH_CHECK(same_lead, "torchfn::", op, ": arguments 'a' ", a.sizes(), " and 'g' ", g.sizes(),
+  TORCH_CHECK(same_lead, "torchfn::", op, ": arguments 'a' ", shape_str(a.sizes()), " and 'g' ",
+              shape_str(g.sizes()),
               " must agree in the batch", a.dim() == 3 ? " and time dims" : " dim");
 }
 
 void check_per_sample(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& a) {
   check_float_input(op, arg, t, a.device().type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == a.size(0), "torchfn::", op, ": argument '", arg,
-              "' must have shape [", a.size(0), "] (one value per sample of 'a' ", a.sizes(),
-              "), got ", t.sizes());
+              "' must have shape [", std::to_string(a.size(0)), "] (one value per sample of 'a' ",
+              shape_str(a.sizes()), "), got ", shape_str(t.sizes()));
   TORCH_CHECK(t.scalar_type() == a.scalar_type(), "torchfn::", op, ": argument '", arg,
               "' must have the dtype of 'a' (", a.scalar_type(), "), got ", t.scalar_type());
   TORCH_CHECK(t.device() == a.device(), "torchfn::", op, ": argument '", arg,
@@ -82,7 +83,7 @@ void check_aux(const char* op, const at::Tensor& aux, const at::Tensor& a, const
   }
   TORCH_CHECK(aux.sizes() == at::IntArrayRef(want), "torchfn::", op,
               ": argument 'aux' must be the forward's aux for these inputs, of shape ",
-              at::IntArrayRef(want), ", got ", aux.sizes());
+              shape_str(at::IntArrayRef(want)), ", got ", shape_str(aux.sizes()));
   TORCH_CHECK(aux.scalar_type() == dtype, "torchfn::", op, ": argument 'aux' must have dtype ",
               dtype, ", got ", aux.scalar_type());
   TORCH_CHECK(aux.device() == a.device(), "torchfn::", op,
