@@ -19,6 +19,7 @@ from torchfn.ensembles._metrics import (
     negative_log_likelihood,
     predictive_variance,
 )
+from torchfn.ensembles._optim import per_member_adam, per_member_sgd
 from torchfn.ensembles._train import (
     init_ensemble_state,
     make_ensemble_train_step,
@@ -121,6 +122,116 @@ def test_per_member_optimizer_vmapped_torchopt_matches_torch_optim() -> None:
     ens, state, _ = run_ensemble(opt, 3)
     models = reference_run(lambda n, p: torch.optim.SGD(p, lr=float(lrs[n])), 3)
     assert_matches(ens, state, models)
+
+
+MOM = torch.tensor([0.0, 0.5, 0.9], dtype=F64)
+DAMP = torch.tensor([0.0, 0.1, 0.5], dtype=F64)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_per_member_sgd_momentum_matches_torch_optim(nesterov: bool) -> None:
+    mom = MOM + 0.05 if nesterov else MOM  # Nesterov needs momentum > 0 for every member
+    damp = torch.zeros(N, dtype=F64) if nesterov else DAMP
+    opt = per_member_sgd(LR * 10, momentum=mom, dampening=damp, weight_decay=WD,
+                         nesterov=nesterov)
+    ens, state, _ = run_ensemble(opt, 4)
+    models = reference_run(lambda n, p: torch.optim.SGD(
+        p, lr=float(LR[n] * 10), momentum=float(mom[n]), dampening=float(damp[n]),
+        weight_decay=float(WD[n]), nesterov=nesterov), 4)
+    assert_matches(ens, state, models)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_per_member_adam_betas_eps_match_torch_optim(decoupled: bool) -> None:
+    b1 = torch.tensor([0.5, 0.8, 0.95], dtype=F64)
+    b2 = torch.tensor([0.9, 0.99, 0.999], dtype=F64)
+    eps = torch.tensor([1e-8, 1e-3, 1e-1], dtype=F64)
+    opt = per_member_adam(LR, betas=(b1, b2), eps=eps, weight_decay=WD, decoupled=decoupled)
+    ens, state, _ = run_ensemble(opt, 4)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    models = reference_run(lambda n, p: cls(p, lr=float(LR[n]), betas=(float(b1[n]),
+                                                                      float(b2[n])),
+                                            eps=float(eps[n]), weight_decay=float(WD[n])), 4)
+    assert_matches(ens, state, models)
+
+
+def test_per_member_fused_dispatch_and_native_agree() -> None:
+    # float momentum/betas -> the fused stacked op; fused=False -> the pure-PyTorch version
+    auto = per_member_sgd(LR, momentum=0.9, weight_decay=WD, nesterov=True)
+    native = per_member_sgd(LR, momentum=0.9, weight_decay=WD, nesterov=True, fused=False)
+    adam_auto = per_member_adam(LR, weight_decay=WD, decoupled=True)
+    adam_native = per_member_adam(LR, weight_decay=WD, decoupled=True, fused=False)
+    assert auto.update.__qualname__.startswith("stacked_sgd")
+    assert adam_auto.update.__qualname__.startswith("stacked_adam")
+    assert native.update.__qualname__.startswith("per_member_sgd")
+    for a, b in ((auto, native), (adam_auto, adam_native)):
+        _, sa, _ = run_ensemble(a, 3)
+        _, sb, _ = run_ensemble(b, 3)
+        for k in sa.params:
+            torch.testing.assert_close(sb.params[k], sa.params[k], rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match=r"fused=True.*betas and eps as shared floats"):
+        per_member_adam(LR, betas=(MOM, 0.999), fused=True)
+
+
+def test_per_member_momentum_resumes_with_a_fresh_optimizer() -> None:
+    # "first step" comes from state.count, not Python state: a new transformation object
+    # continuing from a saved state gives the same run (torchopt's trace would not)
+    def make():
+        return per_member_sgd(LR, momentum=MOM, dampening=DAMP)
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    opt = make()
+    step = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt)
+    state = init_ensemble_state(ens, opt, seed=0)
+    for t in range(4):
+        state, _ = step(state, data(t))
+    resumed = init_ensemble_state(ens, opt, seed=0)
+    for t in range(2):
+        resumed, _ = step(resumed, data(t))
+    step2 = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, make())
+    for t in range(2, 4):
+        resumed, _ = step2(resumed, data(t))
+    for k in state.params:
+        torch.testing.assert_close(resumed.params[k], state.params[k], rtol=0, atol=0)
+
+
+def test_per_member_optimizer_refuses_python_state_momentum() -> None:
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    opt = per_member_optimizer(lambda lr: torchopt.sgd(lambda _: lr, momentum=0.9),
+                               {"lr": LR})
+    with pytest.raises(ValueError, match=r"keeps state in Python.*per_member_sgd"):
+        init_ensemble_state(ens, opt, seed=0)
+    # a transformation whose state is all in the optimizer state is accepted: see
+    # test_per_member_optimizer_vmapped_torchopt_matches_torch_optim
+
+
+def test_per_member_optimizer_errors() -> None:
+    with pytest.raises(ValueError, match=r"betas\[0\]=\.\.\.\): every value must be in "
+                                         r"\[0.0, 1.0\)"):
+        per_member_adam(betas=(torch.tensor([0.9, 1.0]), 0.999))
+    with pytest.raises(ValueError, match=r"nesterov=True.*momentum > 0"):
+        per_member_sgd(0.1, momentum=MOM, nesterov=True)
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    with pytest.raises(ValueError, match=r"momentum=\.\.\.\).*\(N,\) = \(3,\).*got shape \(2,\)"):
+        init_ensemble_state(ens, per_member_sgd(0.1, momentum=torch.ones(2, dtype=F64) / 2),
+                            seed=0)
+    with pytest.raises(ValueError, match=r"fused=.*expected True, False or 'auto'"):
+        per_member_sgd(0.1, fused="yes")
+
+
+def test_per_member_adam_compiled_equals_eager_without_recompiles() -> None:
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    opt = per_member_adam(LR, betas=(MOM / 2 + 0.5, 0.999), weight_decay=WD)
+    _, eager, _ = run_ensemble(opt, 3)
+    _, comp, _ = run_ensemble(opt, 3, compile_backend=counting_backend)
+    assert len(compiles) == 1, f"expected one compile over 3 steps, got {len(compiles)}"
+    for k in eager.params:
+        torch.testing.assert_close(comp.params[k], eager.params[k], rtol=1e-10, atol=1e-12)
 
 
 def test_chunked_training_equals_unchunked() -> None:

@@ -11,6 +11,8 @@ from torchfn.ensembles._metrics import expected_calibration_error as expected_ca
 from torchfn.ensembles._metrics import member_disagreement as member_disagreement
 from torchfn.ensembles._metrics import negative_log_likelihood as negative_log_likelihood
 from torchfn.ensembles._metrics import predictive_variance as predictive_variance
+from torchfn.ensembles._optim import per_member_adam as per_member_adam
+from torchfn.ensembles._optim import per_member_sgd as per_member_sgd
 from torchfn.ensembles._train import init_ensemble_state as init_ensemble_state
 from torchfn.ensembles._train import make_ensemble_train_step as make_ensemble_train_step
 from torchfn.ensembles._train import member_batches as member_batches
@@ -31,7 +33,9 @@ __all__ = [
     "member_orders",
     "n_members",
     "negative_log_likelihood",
+    "per_member_adam",
     "per_member_optimizer",
+    "per_member_sgd",
     "predictive_variance",
     "save_ensemble",
 ]

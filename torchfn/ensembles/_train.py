@@ -64,8 +64,10 @@ def _check_batch(where: str, batch: Any, n: int, shared: bool) -> tuple[Any, Any
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(f"{where}: batch must be a pair (inputs, targets), got "
                         f"{type(batch).__name__}")
-    if not shared:
-        paths, leaves, _ = optree.tree_flatten_with_path(tuple(batch))
+    x, y = batch
+    if not shared and not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.ndim > 0
+                           and y.ndim > 0 and x.shape[0] == n and y.shape[0] == n):
+        paths, leaves, _ = optree.tree_flatten_with_path((x, y))
         for path, leaf in zip(paths, leaves, strict=True):
             if isinstance(leaf, Tensor) and (leaf.ndim == 0 or leaf.shape[0] != n):
                 name = ("inputs", "targets")[path[0]] + "".join(f"[{p!r}]" for p in path[1:])
@@ -75,7 +77,7 @@ def _check_batch(where: str, batch: Any, n: int, shared: bool) -> tuple[Any, Any
                     f"{name}. Use member_batches(...) to build per-member batches, or "
                     "shared_batch=True to give every member the same batch (B, ...)"
                 )
-    return batch[0], batch[1]
+    return x, y
 
 
 def make_ensemble_train_step(
@@ -126,6 +128,7 @@ def make_ensemble_train_step(
         raise ValueError(f"make_ensemble_train_step(chunk_size=...): expected None or an int "
                          f">= 1, got {chunk_size!r}")
     batch_dim = None if shared_batch else 0
+    use_rng_default = seed_rng and randomness != "error"
 
     def member_grad(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Any,
                     y: Any) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
@@ -147,14 +150,17 @@ def make_ensemble_train_step(
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
         n = n_members(state.params, where)
         x, y = _check_batch(where, batch, n, shared_batch)
-        use_rng = seed_rng and not torch.compiler.is_compiling()
+        # randomness="error" refuses random ops, so there is nothing to seed (and no need to
+        # save/restore the generators every step)
+        use_rng = use_rng_default and not torch.compiler.is_compiling()
         with step_rng(state) if use_rng else contextlib.nullcontext():
             grads, losses, buffers = vmapped(state.params, state.buffers, x, y)
         updates, opt_state = optimizer.update(grads, state.opt_state, params=state.params,
                                               inplace=False)
         params = apply_updates(state.params, updates, inplace=False)
-        sq = [g.reshape(n, -1).square().sum(1) for g in grads.values()]
-        grad_norm = torch.stack(sq).sum(0).sqrt() if sq else losses.new_zeros(n)
+        norms = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in grads.values()]
+        grad_norm = (torch.linalg.vector_norm(torch.stack(norms), dim=0) if norms
+                     else losses.new_zeros(n))
         new_state = TrainState(params=params, buffers=buffers, opt_state=opt_state,
                                step=state.step + 1, seed=state.seed, loss_scale=state.loss_scale)
         return new_state, {"loss": losses.detach(), "grad_norm": grad_norm.detach()}
@@ -173,11 +179,13 @@ def per_member_optimizer(
     so the hyperparameters reach the optimizer as 0-d batched tensors. torchopt's aliases
     check ``lr >= 0`` in Python, which vmap refuses: pass the lr as a constant schedule,
     ``lambda lr: torchopt.sgd(lambda _: lr)``). ``make_optimizer`` is called anew on every
-    update, so it must keep no Python state between calls: torchopt's momentum (``trace``)
-    keeps a first-call flag and is wrong here -- use :func:`torchfn.ops.stacked_sgd`
-    for momentum. The state is the
-    per-member state stacked on dim 0. For Adam/SGD prefer the fused
-    :func:`torchfn.ops.stacked_adam` / :func:`torchfn.ops.stacked_sgd`.
+    update, so the transformation must keep all its state in the optimizer state, none in
+    Python: ``init`` checks this on member 0 (two updates from the same state must agree) and
+    raises ``ValueError`` otherwise -- torchopt's momentum (``trace``) keeps a Python
+    first-call flag and is refused. For SGD with momentum / Nesterov and Adam/AdamW with
+    per-member momentum, betas or eps use :func:`per_member_sgd` / :func:`per_member_adam`
+    (exact, and fused when only lr and weight decay vary). The state is the per-member state
+    stacked on dim 0.
 
     Example:
         >>> import torch, torchopt
@@ -205,8 +213,34 @@ def per_member_optimizer(
                 raise ValueError(f"{where}: hyperparams[{k!r}] has {v.shape[0]} values, but "
                                  f"the params stack N={n} members")
 
+    def check_pure(params: Params) -> None:
+        # A transformation with Python state (torchopt's trace: a first-call flag) behaves
+        # differently on its first and later calls; rebuilt per update it would silently
+        # drop momentum. Probe member 0: a second update from the same state must agree
+        # with a fresh transformation's first update from that state.
+        h0 = {k: v[0] for k, v in hs.items()}
+        p0 = optree.tree_map(lambda t: t[0].detach(), params)
+        gen = torch.Generator().manual_seed(0)
+        g0 = optree.tree_map(lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype
+                                                   ).to(t.device), p0)
+        with torch.no_grad():
+            used = make_optimizer(**h0)
+            _, s1 = used.update(g0, used.init(p0), params=p0, inplace=False)
+            again, _ = used.update(g0, s1, params=p0, inplace=False)
+            fresh, _ = make_optimizer(**h0).update(g0, s1, params=p0, inplace=False)
+        for a, b in zip(optree.tree_leaves(again), optree.tree_leaves(fresh), strict=True):
+            if not torch.equal(a, b):
+                raise ValueError(
+                    f"{where}: make_optimizer(...) builds a transformation that keeps state in "
+                    "Python between updates (torchopt's momentum/trace does: a first-call "
+                    "flag), so rebuilding it per update would be silently wrong. Use "
+                    "torchfn.ensembles.per_member_sgd(lr, momentum=..., nesterov=...) or "
+                    "per_member_adam(lr, betas=...), whose hyperparameters may all be (N,) "
+                    "tensors")
+
     def init_fn(params: Params) -> OptState:
         check(params)
+        check_pure(params)
         return torch.func.vmap(lambda h, p: make_optimizer(**h).init(p))(hs, params)
 
     def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
