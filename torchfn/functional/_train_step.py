@@ -290,6 +290,7 @@ def make_train_step(
     loss_scaler: DynamicLossScaler | None = None,
     lr_schedule: float | Schedule | None = None,
     seed_rng: bool = True,
+    grad_transform: Callable[[TensorDict], TensorDict] | None = None,
 ) -> StepFn:
     """Return a pure ``step(state, batch) -> (new_state, metrics)`` for one optimizer update.
 
@@ -313,6 +314,11 @@ def make_train_step(
     - ``seed_rng`` (eager only): seed this step's randomness from ``(state.seed, state.step)``
       (:func:`step_rng`); pass ``False`` to use the global generators as they are (e.g. under
       ``vmap`` over states).
+    - ``grad_transform`` (optional) maps the averaged gradient dict to a new dict with the same
+      keys and shapes before fp16 unscaling, clipping and the update; it must be pure, as the
+      compiled step traces it. :func:`torchfn.distributed.make_data_parallel_train_step` uses
+      it to average the gradients across ranks, so ``grad_norm`` and clipping see the global
+      gradient.
 
     ``metrics`` holds 0-d tensors: ``loss`` (mean over micro-batches), ``grad_norm`` (global
     norm before clipping), ``lr`` if asked, and for fp16 ``loss_scale`` (after this step) and
@@ -409,6 +415,8 @@ def make_train_step(
         loss = losses[0] if k == 1 else torch.stack(losses).mean()
         if k > 1:
             grads = optree.tree_map(lambda t: t / k, grads)
+        if grad_transform is not None:
+            grads = grad_transform(grads)
 
         finite: Tensor | None = None
         if fp16:

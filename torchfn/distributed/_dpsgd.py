@@ -1,0 +1,184 @@
+"""Distributed DP-SGD: clip on each rank, all-reduce the clipped sums, add the noise once.
+
+One logical step over ``W`` ranks::
+
+    draw   B_t by Poisson sampling over the WHOLE dataset (same seed on every rank), then
+           rank r takes every W-th selected index (selected[r::W])
+    rank r g_r = sum_{i in B_t, i on r} clip_C(grad l_i)         local clipped sum
+    all    g   = sum_r g_r                                        one sum all-reduce
+    all    g~  = (g + N(0, sigma^2 C^2 I)) / (q N)                noise from state.key
+    all    theta <- optimizer(theta, g~)
+
+The noise is drawn from the counter-based generator under ``state.key``, which is the same on
+every rank (replicated state), so every rank adds the *same* draw to the *same* reduced sum:
+the global noise has std ``sigma C`` -- not ``sqrt(W) sigma C`` as it would if each rank noised
+its own part -- and all replicas stay bitwise equal. The mechanism is exactly the
+single-process one over the global Poisson batch (sampling rate ``q``, dataset size ``N``), so
+the accountant is stepped once per logical step with the global ``q``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from torchfn.distributed._env import world_info
+from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
+from torchfn.functional._accountant import RDPAccountant
+from torchfn.functional._dp_sampling import PoissonSampler
+from torchfn.functional._dpsgd import ClippedSum, DPState, DPTrainStep
+
+__all__ = ["DistributedDPStep", "all_reduce_clipped_sum", "shard_poisson_sample"]
+
+Chunks = list[tuple[Tensor, Tensor]]
+
+
+def shard_poisson_sample(sampler: PoissonSampler, step: int, *, rank: int, world_size: int,
+                         physical_batch_size: int | None = None) -> Chunks:
+    """Return rank ``rank``'s physical batches ``[(indices, valid), ...]`` of logical step ``step``.
+
+    ``sampler`` is the GLOBAL :class:`torchfn.functional.PoissonSampler` (whole dataset, same
+    seed on every rank); its Bernoulli mask is drawn in full on every rank (cheap, counter
+    based) and the selected indices are dealt round-robin, ``selected[rank::world_size]``, so
+    the ranks' shares are disjoint, their union is exactly the Poisson draw, and their sizes
+    differ by at most one. The share is packed like :meth:`PoissonSampler.sample`: padded
+    ``(physical_batch_size,)`` chunks (default: the sampler's), at least one, never truncated.
+
+    Example:
+        >>> from torchfn.functional import PoissonSampler
+        >>> s = PoissonSampler(1000, 0.05, 64, seed=0)
+        >>> a = shard_poisson_sample(s, 0, rank=0, world_size=2, physical_batch_size=40)
+        >>> b = shard_poisson_sample(s, 0, rank=1, world_size=2, physical_batch_size=40)
+        >>> n = sum(int(v.sum()) for _, v in a + b)
+        >>> n == int(s.mask(0).sum())
+        True
+    """
+    if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
+        raise ValueError(f"shard_poisson_sample(rank={rank!r}, world_size={world_size!r}): "
+                         "expected 0 <= rank < world_size")
+    size = sampler.physical_batch_size if physical_batch_size is None else physical_batch_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"shard_poisson_sample(physical_batch_size=...): expected an int >= 1, "
+                         f"got {physical_batch_size!r}")
+    selected = torch.nonzero(sampler.mask(step)).flatten()[rank::world_size]
+    n_chunks = max(1, -(-selected.numel() // size))
+    padded = torch.zeros(n_chunks * size, dtype=torch.int64)
+    padded[: selected.numel()] = selected
+    valid = torch.arange(n_chunks * size) < selected.numel()
+    return list(zip(padded.split(size), valid.split(size), strict=True))
+
+
+def all_reduce_clipped_sum(total: ClippedSum, *, group: ProcessGroup | None = None,
+                           bucket_mb: float = DEFAULT_BUCKET_MB) -> ClippedSum:
+    """Return the :class:`ClippedSum` summed over the ranks (grads, count, loss_sum, ...).
+
+    Everything goes in the same buckets (one all-reduce for a small model). No noise is added
+    here; :meth:`DistributedDPStep.apply` adds it once to the result.
+    """
+    packed = {f"grad/{k}": v for k, v in total.grads.items()}
+    for name in ("count", "loss_sum", "clipped", "norm_sum"):
+        packed[name] = getattr(total, name)
+    red = all_reduce_tree(packed, op="sum", group=group, bucket_mb=bucket_mb)
+    return ClippedSum(grads={k: red[f"grad/{k}"] for k in total.grads}, count=red["count"],
+                      loss_sum=red["loss_sum"], clipped=red["clipped"],
+                      norm_sum=red["norm_sum"])
+
+
+class DistributedDPStep:
+    """DP-SGD over ranks from a single-process :class:`torchfn.functional.DPTrainStep`.
+
+    ``DistributedDPStep(step)`` with ``step = make_dp_train_step(..., sample_rate=q,
+    dataset_size=N)`` for the GLOBAL dataset. Calls:
+
+    - ``dstep(state, local_batch, valid)``: one logical step whose local share fits one
+      physical batch: local clipped sum, sum all-reduce, noise once, update;
+    - :meth:`run`: one logical step on :func:`shard_poisson_sample` chunks (any number per
+      rank; ranks may differ), stepping an accountant with the global ``q``;
+    - :meth:`compile`: the same with the local clipped sum and the reduce+apply each compiled
+      with ``fullgraph=True``.
+
+    Every rank must start from the same :func:`torchfn.functional.init_dp_state` (same seed),
+    so the noise keys agree. Attributes of ``step`` (``noise_std``, ``sample_rate``, ...)
+    are forwarded.
+    """
+
+    def __init__(self, step: DPTrainStep, *, group: ProcessGroup | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        if not isinstance(step, DPTrainStep):
+            raise TypeError(f"DistributedDPStep(step): expected a DPTrainStep from "
+                            f"make_dp_train_step, got {type(step).__name__}")
+        world_info(group, "DistributedDPStep")
+        self.step_fn, self.group, self.bucket_mb = step, group, bucket_mb
+        self._reduce_apply: Callable[..., Any] = self._reduce_and_apply
+        self._one: Callable[..., Any] = self._one_chunk
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("noise_multiplier", "sample_rate", "dataset_size", "expected_batch_size",
+                    "max_grad_norm", "layer_thresholds", "noise_std"):
+            return getattr(self.step_fn, name)
+        raise AttributeError(name)
+
+    def _reduce_and_apply(self, state: DPState,
+                          local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
+        total = all_reduce_clipped_sum(local, group=self.group, bucket_mb=self.bucket_mb)
+        return self.step_fn._apply(state, total)
+
+    def _one_chunk(self, state: DPState, batch: tuple[Any, Any],
+                   valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
+        return self._reduce_and_apply(state, self.step_fn._clipped_sum(state, batch, valid))
+
+    def __call__(self, state: DPState, batch: tuple[Any, Any],
+                 valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
+        """Return ``(new_state, metrics)``; ``batch``/``valid`` are this rank's ``(P, ...)``/``(P,)``.
+
+        ``metrics`` are global (``loss`` is the mean over all valid examples of all ranks,
+        ``batch_size`` the global count).
+        """
+        return self._one(state, batch, valid)
+
+    def apply(self, state: DPState, local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
+        """Sum ``local`` over the ranks, add the noise once, divide by ``q N``, update."""
+        return self._reduce_apply(state, local)
+
+    def compile(self, **kwargs: Any) -> DistributedDPStep:
+        """Return a copy whose local part and reduce+apply are ``torch.compile(fullgraph=True)``."""
+        kwargs.setdefault("fullgraph", True)
+        new = DistributedDPStep.__new__(DistributedDPStep)
+        new.__dict__.update(self.__dict__)
+        new.step_fn = self.step_fn.compile(**kwargs)
+        new._reduce_apply = torch.compile(self._reduce_and_apply, **kwargs)
+        new._one = torch.compile(self._one_chunk, **kwargs)
+        return new
+
+    def run(self, state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
+            get_batch: Callable[[Tensor], tuple[Any, Any]],
+            accountant: RDPAccountant | None = None) -> tuple[DPState, dict[str, Tensor]]:
+        """Take one logical step on this rank's ``chunks`` (:func:`shard_poisson_sample`).
+
+        ``get_batch(indices)`` returns ``(inputs, targets)`` for global dataset indices.
+        ``accountant`` (every rank may keep one; they agree) is stepped once with the GLOBAL
+        ``noise_multiplier`` and ``sample_rate``.
+        """
+        if not chunks:
+            raise ValueError("DistributedDPStep.run: chunks is empty; pass "
+                             "shard_poisson_sample(sampler, step, rank=..., world_size=...)")
+        device = state.step.device
+        if len(chunks) == 1:
+            idx, valid = chunks[0]
+            state, metrics = self(state, get_batch(idx.to(device)), valid.to(device))
+        else:
+            local = None
+            for idx, valid in chunks:
+                part = self.step_fn.clipped_sum(state, get_batch(idx.to(device)),
+                                                valid.to(device))
+                local = part if local is None else DPTrainStep.add(local, part)
+            assert local is not None
+            state, metrics = self.apply(state, local)
+        if accountant is not None:
+            accountant.step(noise_multiplier=self.step_fn.noise_multiplier,
+                            sample_rate=self.step_fn.sample_rate)
+        return state, metrics
