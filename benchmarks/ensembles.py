@@ -1,28 +1,50 @@
 """Benchmark: N MLPs (784-256-256-10), batch 128 per member, Adam, one training step.
 
-Side by side: a loop of N torch.optim models, torchfn eager, torchfn compiled, and JAX vmap +
-optax (skipped with a message if JAX is not importable); then the scaling curve of step time vs
-N (torchfn compiled, 1..256), saved as a plot. Median of many synchronized repeats; TF32 state
-printed. ``--small`` is a quick CPU smoke test (tiny sizes, few repeats).
+Side by side at N = 32 (``--members``): a loop of N models with ``torch.optim.Adam``, torchfn
+eager, torchfn compiled (``torch.compile(fullgraph=True)``), torchfn compiled with CUDA graphs
+(``mode="reduce-overhead"``, CUDA only) and JAX ``jit(vmap)`` + optax (skipped with a message if
+JAX is not importable). Then the scaling curve of step time vs N = 1, 2, 4, ..., 256 for torchfn
+compiled (a static compile per N: ``vmap`` needs a concrete N), torchfn eager, JAX, and the loop
+for N <= 64, saved as a plot and in the JSON.
+
+Fairness: TF32 is OFF on both sides (torch: ``allow_tf32=False`` for matmul and cuDNN,
+``float32_matmul_precision='highest'``; JAX: ``jax_default_matmul_precision='highest'``); the
+same fixed batch on the device every step; JAX donates the params/optimizer state (its fastest
+form). A "step time" is the mean over ``inner`` back-to-back steps followed by one device sync
+(``inner`` chosen so a sample lasts >= 5 ms), median over ``--repeats`` samples, after a
+warm-up of >= 3 steps; compile / jit time is the first call, reported separately, and the
+number of Dynamo graphs compiled during the timed steps is recorded (must be 0). The whole
+run stops starting new measurements after ``--budget`` seconds.
 
     python benchmarks/ensembles.py [--small] [--out results.json] [--plot scaling.png]
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from torchfn.ensembles._build import Ensemble
-from torchfn.ensembles._train import init_ensemble_state, make_ensemble_train_step
-from torchfn.ops import stacked_adam
+from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
+from torchfn.ops import build_ops, ops_status, stacked_adam
+
+T0 = time.perf_counter()
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
 
 
 def sync(device: torch.device) -> None:
@@ -30,18 +52,38 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timeit(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Return the median seconds of ``fn()`` over ``repeats`` synchronized calls."""
-    for _ in range(warmup):
+def graphs() -> int:
+    """Return the number of graphs Dynamo has compiled so far in this process."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def timeit(fn: Callable[[], object], wait: Callable[[], None], repeats: int,
+           warmup: int = 3, min_sample_s: float = 5e-3) -> dict[str, Any]:
+    """Return step-time stats of ``fn`` (seconds): first call, then ``repeats`` samples."""
+    t0 = time.perf_counter()
+    fn()
+    wait()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
         fn()
-    sync(device)
-    times = []
+    wait()
+    t0 = time.perf_counter()
+    fn()
+    wait()
+    one = time.perf_counter() - t0
+    inner = max(1, min(200, math.ceil(min_sample_s / max(one, 1e-7))))
+    g0 = graphs()
+    samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for _ in range(inner):
+            fn()
+        wait()
+        samples.append((time.perf_counter() - t0) / inner)
+    samples.sort()
+    return {"median": statistics.median(samples), "p10": samples[len(samples) // 10],
+            "p90": samples[(len(samples) * 9) // 10], "first_call": first, "inner": inner,
+            "graphs_compiled_while_timing": graphs() - g0}
 
 
 def make_net(sizes: list[int]) -> Callable[[], nn.Module]:
@@ -53,81 +95,140 @@ def make_net(sizes: list[int]) -> Callable[[], nn.Module]:
     return build
 
 
-def bench_loop(n: int, sizes: list[int], batch: int, device: torch.device, w: int, r: int
-               ) -> float:
+def batch_for(n: int, sizes: list[int], batch: int, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return (torch.randn(n, batch, sizes[0], generator=g).to(device),
+            torch.randint(sizes[-1], (n, batch), generator=g).to(device))
+
+
+def bench_loop(n: int, sizes: list[int], batch: int, device: torch.device, reps: int
+               ) -> dict[str, Any]:
+    torch.manual_seed(0)
     models = [make_net(sizes)().to(device) for _ in range(n)]
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
-    x = torch.randn(n, batch, sizes[0], device=device)
-    y = torch.randint(sizes[-1], (n, batch), device=device)
+    x, y = batch_for(n, sizes, batch, device)
 
     def step() -> None:
         for i, (m, o) in enumerate(zip(models, opts, strict=True)):
             o.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(m(x[i]), y[i]).backward()
             o.step()
-    return timeit(step, device, w, r)
+    return timeit(step, lambda: sync(device), reps)
 
 
-def bench_torchfn(n: int, sizes: list[int], batch: int, device: torch.device, w: int, r: int,
-                  compiled: bool) -> float:
-    ens = Ensemble.from_seeds(make_net(sizes), seeds=range(n))
-    ens.params = {k: v.to(device) for k, v in ens.params.items()}
-    opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
-    holder = [init_ensemble_state(ens, opt, seed=0)]
-    step = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt)
-    if compiled:
-        step = torch.compile(step, fullgraph=True)
-    x = torch.randn(n, batch, sizes[0], device=device)
-    y = torch.randint(sizes[-1], (n, batch), device=device)
+class TorchfnStep:
+    """One step function (eager or compiled) shared by every N: built once, N-independent."""
 
-    def run() -> None:
-        holder[0], _ = step(holder[0], (x, y))
-    return timeit(run, device, w, r)
+    def __init__(self, sizes: list[int], device: torch.device, mode: str) -> None:
+        self.model_fn = Ensemble.from_seeds(make_net(sizes), seeds=[0]).model_fn
+        self.opt = stacked_adam(lr=1e-3)
+        step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt)
+        self.mode = mode
+        if mode == "compiled":
+            step = torch.compile(step, fullgraph=True)
+        elif mode == "reduce-overhead":
+            step = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+        self.step = step
+
+    def bench(self, n: int, sizes: list[int], batch: int, device: torch.device, reps: int
+              ) -> dict[str, Any]:
+        ens = Ensemble.from_seeds(make_net(sizes), seeds=range(n))
+        params = {k: v.to(device) for k, v in ens.params.items()}
+        ens = Ensemble(self.model_fn, params, {})
+        holder = [init_ensemble_state(ens, self.opt, seed=0)]
+        x, y = batch_for(n, sizes, batch, device)
+        mark = (torch.compiler.cudagraph_mark_step_begin if self.mode == "reduce-overhead"
+                else None)
+
+        def run() -> None:
+            if mark is not None:
+                mark()
+            holder[0], _ = self.step(holder[0], (x, y))
+        out = timeit(run, lambda: sync(device), reps)
+        out["loss_finite"] = bool(torch.isfinite(
+            holder[0].params[next(iter(holder[0].params))]).all())
+        return out
 
 
-def bench_jax(n: int, sizes: list[int], batch: int, w: int, r: int) -> float | str:
-    try:
+class JaxStep:
+    """JAX: ``jit(vmap(grad + optax.adam))`` with donated params/state, one jit per N."""
+
+    def __init__(self) -> None:
         import jax
         import optax
-    except ImportError as exc:
-        return f"skipped: {exc}"
 
-    def init(key: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
-        params = []
-        for i in range(len(sizes) - 1):
-            key, k1, k2 = jax.random.split(key, 3)
-            bound = 1.0 / sizes[i] ** 0.5
-            params.append((jax.random.uniform(k1, (sizes[i], sizes[i + 1]), minval=-bound,
-                                              maxval=bound),
-                           jax.random.uniform(k2, (sizes[i + 1],), minval=-bound, maxval=bound)))
-        return params
+        jax.config.update("jax_default_matmul_precision", "highest")
+        self.jax, self.optax = jax, optax
 
-    def loss(params: list, x: jax.Array, y: jax.Array) -> jax.Array:
-        h = x
-        for i, (wt, b) in enumerate(params):
-            h = h @ wt + b
-            if i < len(params) - 1:
-                h = jax.nn.relu(h)
-        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+    def versions(self) -> dict[str, Any]:
+        import jaxlib
 
-    tx = optax.adam(1e-3)
-    params = jax.vmap(init)(jax.random.split(jax.random.PRNGKey(0), n))
-    opt_state = jax.vmap(tx.init)(params)
+        return {"jax": self.jax.__version__, "jaxlib": jaxlib.__version__,
+                "optax": self.optax.__version__,
+                "jax_devices": [str(d) for d in self.jax.devices()],
+                "jax_default_matmul_precision": str(
+                    self.jax.config.jax_default_matmul_precision)}
 
-    def one(p: list, s: optax.OptState, x: jax.Array, y: jax.Array) -> tuple:
-        g = jax.grad(loss)(p, x, y)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
+    def bench(self, n: int, sizes: list[int], batch: int, reps: int) -> dict[str, Any]:
+        jax, optax = self.jax, self.optax
 
-    step = jax.jit(jax.vmap(one))
-    x = jax.random.normal(jax.random.PRNGKey(1), (n, batch, sizes[0]))
-    y = jax.random.randint(jax.random.PRNGKey(2), (n, batch), 0, sizes[-1])
-    holder = [(params, opt_state)]
+        def init(key: Any) -> list[tuple[Any, Any]]:
+            params = []
+            for i in range(len(sizes) - 1):
+                key, k1, k2 = jax.random.split(key, 3)
+                bound = 1.0 / sizes[i] ** 0.5
+                params.append((jax.random.uniform(k1, (sizes[i], sizes[i + 1]), minval=-bound,
+                                                  maxval=bound),
+                               jax.random.uniform(k2, (sizes[i + 1],), minval=-bound,
+                                                  maxval=bound)))
+            return params
 
-    def run() -> None:
-        holder[0] = step(*holder[0], x, y)
-        jax.block_until_ready(holder[0])
-    return timeit(run, torch.device("cpu"), w, r)
+        def loss(params: list, x: Any, y: Any) -> Any:
+            h = x
+            for i, (wt, b) in enumerate(params):
+                h = h @ wt + b
+                if i < len(params) - 1:
+                    h = jax.nn.relu(h)
+            return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+        tx = optax.adam(1e-3)
+        params = jax.vmap(init)(jax.random.split(jax.random.PRNGKey(0), n))
+        opt_state = jax.vmap(tx.init)(params)
+
+        def one(p: list, s: Any, x: Any, y: Any) -> tuple:
+            g = jax.grad(loss)(p, x, y)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        step = jax.jit(jax.vmap(one), donate_argnums=(0, 1))
+        x = jax.random.normal(jax.random.PRNGKey(1), (n, batch, sizes[0]))
+        y = jax.random.randint(jax.random.PRNGKey(2), (n, batch), 0, sizes[-1])
+        holder = [(params, opt_state)]
+
+        def run() -> None:
+            holder[0] = step(*holder[0], x, y)
+        return timeit(run, lambda: jax.block_until_ready(holder[0]), reps)
+
+
+def guarded(name: str, budget: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
+    """Run one measurement unless the time budget is spent; errors become strings."""
+    if elapsed() > budget:
+        return "skipped: time budget spent"
+    try:
+        out = fn()
+    except Exception as exc:
+        msg = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        print(f"  {name}: {msg}", flush=True)
+        return msg
+    print(f"  {name}: {out['median'] * 1e3:.3f} ms/step (first call {out['first_call']:.2f} s,"
+          f" inner {out['inner']}, graphs compiled while timing "
+          f"{out['graphs_compiled_while_timing']})  [{elapsed():.0f} s]", flush=True)
+    return out
+
+
+def ms(v: Any) -> str:
+    return f"{v['median'] * 1e3:.3f}" if isinstance(v, dict) else str(v)
 
 
 def main() -> None:
@@ -136,65 +237,164 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write results as JSON here")
     parser.add_argument("--plot", default="ensembles_scaling.png")
     parser.add_argument("--members", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--budget", type=float, default=200.0,
+                        help="seconds after which no new measurement starts")
+    parser.add_argument("--no-jax", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
     if args.small:
-        sizes, batch, n, reps, warm, ns = [32, 16, 16, 10], 8, 4, 5, 2, [1, 2, 4, 8]
+        sizes, batch, n, reps, ns, loop_max = [32, 16, 16, 10], 8, 4, 5, [1, 2, 4, 8], 8
     else:
-        sizes, batch, n, reps, warm = [784, 256, 256, 10], 128, args.members, args.repeats, 10
-        ns = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    tf32 = {"matmul": torch.backends.cuda.matmul.allow_tf32,
-            "cudnn": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
-    print(f"device={device} torch={torch.__version__} tf32={tf32} sizes={sizes} batch={batch} "
-          f"N={n} repeats={reps}")
-    results: dict[str, object] = {"device": str(device), "torch": torch.__version__,
-                                  "platform": platform.platform(), "tf32": tf32, "sizes": sizes,
-                                  "batch": batch, "n_members": n, "repeats": reps}
+        sizes, batch, n, reps = [784, 256, 256, 10], 128, args.members, args.repeats
+        ns, loop_max = [1, 2, 4, 8, 16, 32, 64, 128, 256], 64
+    results: dict[str, Any] = {
+        "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "sizes": sizes, "batch": batch, "n_members": n,
+        "repeats": reps, "cpu_threads": torch.get_num_threads(),
+        "tf32": {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                 "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                 "float32_matmul_precision": torch.get_float32_matmul_precision()}}
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(device)
-    side: dict[str, float | str] = {
-        "torch_optim_loop": bench_loop(n, sizes, batch, device, warm, reps),
-        "torchfn_eager": bench_torchfn(n, sizes, batch, device, warm, reps, compiled=False),
-        "torchfn_compiled": bench_torchfn(n, sizes, batch, device, warm, reps, compiled=True),
-        "jax_vmap_optax": bench_jax(n, sizes, batch, warm, reps),
-    }
-    results["step_seconds"] = side
-    loop = side["torch_optim_loop"]
-    print(f"{'variant':<20}{'median step (ms)':>18}{'vs loop':>10}")
-    for name, t in side.items():
-        if isinstance(t, str):
-            print(f"{name:<20}{t:>18}")
-        else:
-            assert isinstance(loop, float)
-            print(f"{name:<20}{t * 1e3:>18.3f}{loop / t:>9.1f}x")
-    scaling = {}
+        results["cuda"] = torch.version.cuda
+    t = time.perf_counter()
+    results["ops_build"] = {k: v for k, v in build_ops().items() if k != "log"}
+    results["ops_build"]["wall_seconds"] = time.perf_counter() - t
+    results["ops_status"] = ops_status()
+    results["optimizer_dispatch"] = (
+        "stacked_adam: the fused kernel in eager (one launch for all leaves) where it is built; "
+        "its pure-PyTorch twin under torch.compile (Inductor fuses it; no graph break)")
+    jax_step: JaxStep | None = None
+    if args.no_jax:
+        results["jax"] = "skipped: --no-jax"
+    else:
+        try:
+            jax_step = JaxStep()
+            results["jax"] = jax_step.versions()
+        except ImportError as exc:
+            results["jax"] = f"skipped: {exc}"
+    print(json.dumps({k: v for k, v in results.items() if k != "ops_status"}, default=str),
+          flush=True)
+    print("TF32 off on both sides (torch allow_tf32=False, cudnn allow_tf32=False, "
+          "float32_matmul_precision='highest'; JAX jax_default_matmul_precision='highest')")
+    budget = args.budget
+
+    for name in ("recompile_limit", "cache_size_limit"):  # 9 N values = 9 graphs of one frame
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    steps = {m: TorchfnStep(sizes, device, m) for m in ("eager", "compiled")}
+    side: dict[str, Any] = {}
+    print(f"== side by side: N={n}, sizes={sizes}, batch={batch}", flush=True)
+    side["torch_optim_loop"] = guarded("torch.optim loop", budget,
+                                       lambda: bench_loop(n, sizes, batch, device, reps))
+    for m, s in steps.items():
+        side[f"torchfn_{m}"] = guarded(f"torchfn {m}", budget,
+                                       lambda s=s: s.bench(n, sizes, batch, device, reps))
+    if device.type == "cuda":
+        ro = TorchfnStep(sizes, device, "reduce-overhead")
+        side["torchfn_compiled_cudagraphs"] = guarded(
+            "torchfn compiled reduce-overhead", budget,
+            lambda: ro.bench(n, sizes, batch, device, reps))
+    if jax_step is not None:
+        side["jax_vmap_optax"] = guarded("jax jit(vmap)+optax", budget,
+                                         lambda: jax_step.bench(n, sizes, batch, reps))
+    results["side_by_side"] = side
+
+    print("== scaling (torchfn compiled: a fresh static compile per N; N=" + str(n)
+          + " is the side-by-side run)", flush=True)
+    scaling: dict[str, dict[int, Any]] = {"torchfn_compiled": {}, "torchfn_eager": {},
+                                          "jax_vmap_optax": {}, "torch_optim_loop": {}}
+    # the cheap curves first, then one compile per N, in an order that keeps the curve's ends
+    # if the budget runs out (vmap needs a concrete N, so every N is its own graph)
     for k in ns:
+        print(f" N={k}", flush=True)
+        scaling["torchfn_eager"][k] = guarded(
+            "torchfn eager", budget, lambda k=k: steps["eager"].bench(k, sizes, batch, device,
+                                                                      reps))
+        if jax_step is not None:
+            scaling["jax_vmap_optax"][k] = (side["jax_vmap_optax"] if k == n else guarded(
+                "jax", budget, lambda k=k: jax_step.bench(k, sizes, batch, reps)))
+        if k <= loop_max:
+            scaling["torch_optim_loop"][k] = (side["torch_optim_loop"] if k == n else guarded(
+                "torch.optim loop", budget, lambda k=k: bench_loop(k, sizes, batch, device,
+                                                                   reps)))
+    order = sorted(ns, key=lambda k: (k not in (ns[0], ns[-1]), abs(math.log2(k / n))))
+    for k in order:
+        if k == n:
+            scaling["torchfn_compiled"][k] = side["torchfn_compiled"]
+            continue
+        print(f" N={k}", flush=True)
         torch._dynamo.reset()
-        scaling[k] = bench_torchfn(k, sizes, batch, device, warm, reps, compiled=True)
-        print(f"N={k:<4} torchfn compiled step {scaling[k] * 1e3:.3f} ms")
-    results["scaling_compiled_seconds"] = scaling
+        fresh = TorchfnStep(sizes, device, "compiled")
+        scaling["torchfn_compiled"][k] = guarded(
+            "torchfn compiled", budget, lambda k=k, f=fresh: f.bench(k, sizes, batch, device,
+                                                                     reps))
+    scaling = {name: dict(sorted(c.items())) for name, c in scaling.items()}
+    results["scaling"] = scaling
+    results["wall_seconds"] = elapsed()
+
+    loop = side.get("torch_optim_loop")
+    jx = side.get("jax_vmap_optax")
+    print(f"\n{'variant (N=' + str(n) + ')':<32}{'median ms/step':>16}{'vs loop':>10}"
+          f"{'vs JAX':>10}{'first call s':>14}")
+    for name, v in side.items():
+        row = f"{name:<32}{ms(v):>16}"
+        if isinstance(v, dict):
+            row += (f"{loop['median'] / v['median']:>9.1f}x" if isinstance(loop, dict)
+                    else f"{'-':>10}")
+            row += (f"{jx['median'] / v['median']:>9.2f}x" if isinstance(jx, dict)
+                    else f"{'-':>10}")
+            row += f"{v['first_call']:>14.2f}"
+        print(row)
+    comp = side.get("torchfn_compiled")
+    goals = {}
+    if isinstance(comp, dict) and isinstance(loop, dict):
+        goals["compiled_vs_loop_speedup"] = loop["median"] / comp["median"]
+        goals["compiled_at_least_50x_loop"] = goals["compiled_vs_loop_speedup"] >= 50
+    if isinstance(comp, dict) and isinstance(jx, dict):
+        goals["jax_over_compiled_time_ratio"] = jx["median"] / comp["median"]
+        goals["compiled_at_least_as_fast_as_jax"] = comp["median"] <= jx["median"]
+    eager = side.get("torchfn_eager")
+    if isinstance(eager, dict) and isinstance(loop, dict):
+        goals["eager_vs_loop_speedup"] = loop["median"] / eager["median"]
+    results["goals"] = goals
+    print("goals:", json.dumps(goals))
+    print("\nscaling, median ms/step:")
+    print(f"{'N':>5}" + "".join(f"{name:>20}" for name in scaling))
+    for k in ns:
+        print(f"{k:>5}" + "".join(f"{ms(scaling[name].get(k, '-')):>20}" for name in scaling))
+    print(f"wall {results['wall_seconds']:.0f} s")
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(f"results written to {args.out}")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(5, 4))
-        ax.loglog(list(scaling), [v * 1e3 for v in scaling.values()], "o-",
-                  label="torchfn compiled")
-        ax.set(xlabel="members N", ylabel="step time (ms)", title=f"{sizes}, batch {batch}")
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for name, curve in scaling.items():
+            pts = [(k, v["median"] * 1e3) for k, v in curve.items() if isinstance(v, dict)]
+            if pts:
+                ax.loglog(*zip(*pts, strict=True), "o-", label=name)
+        ax.set(xlabel="members N", ylabel="step time (ms)",
+               title=f"{'-'.join(map(str, sizes))} MLP, batch {batch}/member, Adam, "
+                     f"{results.get('gpu', device.type)}")
+        ax.title.set_fontsize(8)
+        ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"plot saved to {args.plot}")
     except ImportError:
         print("matplotlib not installed: no plot")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"results written to {args.out}")
 
 
 if __name__ == "__main__":
