@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchopt
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from torchfn import distributed as tdist
 from torchfn.ensembles import (
@@ -203,24 +204,39 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
                                                   torch.zeros(3, dtype=torch.bool))
         out["noise"] = {k: after.params[k] - nparams[k] for k in nparams}
 
+        # the bucketed all-reduce traces into one graph (functional collectives), == eager;
+        # aot_eager keeps CI fast, the slow test_distributed_compile.py runs Inductor
+        counter = CompileCounterWithBackend("aot_eager")
+        reduce = torch.compile(tdist.all_reduce_tree, fullgraph=True, backend=counter)
+        tree = {"a": torch.full((3, 2), rank + 1.0, dtype=F64),
+                "b": torch.arange(5, dtype=torch.float32) * (rank + 1)}
+        out["compiled_reduce"] = (reduce(tree, bucket_mb=1e-5), tdist.all_reduce_tree(tree),
+                                  counter.frame_count)
+
         torch.save(out, os.path.join(root, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_ops() -> Any:
+    """Use the custom ops' pure-PyTorch twins here and in the ranks (module docstring)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHFN_OPS", "reference")
+        yield
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """Run the workloads on 2 gloo ranks; return ``(root, [rank0 results, rank1 results])``."""
     root = tmp_path_factory.mktemp("dist")
-    with pytest.MonkeyPatch.context() as mp_env:
-        mp_env.setenv("TORCHFN_OPS", "reference")
-        opt = adam(1e-2)
-        save_checkpoint(root / "dp_init.pt",
-                        init_train_state(mlp_params(4, 8, 2, seed=1), {}, opt, seed=0))
-        ens, ebatches, _ = ens_problem()
-        trained = _ens_reference(ens, ebatches)
-        save_ensemble(root / "ens_w1.pt", trained, extra={"by": "one process"})
-        mp.spawn(_rank_main, args=(WORLD, _free_port(), str(root)), nprocs=WORLD, join=True)
+    opt = adam(1e-2)
+    save_checkpoint(root / "dp_init.pt",
+                    init_train_state(mlp_params(4, 8, 2, seed=1), {}, opt, seed=0))
+    ens, ebatches, _ = ens_problem()
+    trained = _ens_reference(ens, ebatches)
+    save_ensemble(root / "ens_w1.pt", trained, extra={"by": "one process"})
+    mp.spawn(_rank_main, args=(WORLD, _free_port(), str(root)), nprocs=WORLD, join=True)
     return root, [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -344,6 +360,18 @@ def test_dpsgd_noise_is_added_once(ranks):
 
 
 # -- in-process checks (no process group) --------------------------------------------------------
+
+
+def test_compiled_all_reduce_equals_eager(ranks):
+    _, res = ranks
+    for r in range(WORLD):
+        compiled, eager, frames = res[r]["compiled_reduce"]
+        assert frames == 1
+        assert compiled.keys() == eager.keys() == {"a", "b"}
+        for k in eager:
+            assert compiled[k].dtype == eager[k].dtype and torch.equal(compiled[k], eager[k])
+        torch.testing.assert_close(eager["a"], torch.full((3, 2), 1.5, dtype=F64))
+        torch.testing.assert_close(eager["b"], torch.arange(5.0) * 1.5)
 
 
 def test_clear_errors_without_process_group():
