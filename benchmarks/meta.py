@@ -1,53 +1,98 @@
-"""MAML second-order outer step: per-task loop vs torchfn eager vs torchfn compiled (vs JAX).
+"""MAML second-order outer step: per-task loop vs torchfn eager vs torchfn compiled vs JAX.
 
-The standard few-shot setting: 4-block conv net (64 channels, BatchNorm, ReLU, max-pool), 28x28
-single-channel inputs, 5-way 1-shot with 15 queries per class, 32 tasks, 5 inner SGD steps,
-second order. Times the full meta-gradient (forward + double backward) per outer step, median
-of ``--repeats``, and peak CUDA memory; JAX is run if importable (same model, same precision).
-``--small`` shrinks everything for a CPU smoke test. ``--out results.json`` writes JSON.
+The standard few-shot setting: 4-block conv net (64 channels, BatchNorm with each task's own
+batch statistics and no running stats, ReLU, max-pool), 28x28 single-channel inputs, 5-way 1-shot
+with 15 queries per class, 32 tasks, 5 inner SGD steps, second order. Times the full
+meta-gradient (forward + double backward) per outer step: ``--warmup`` calls (the first one
+compiles; its time is reported as ``first_call_s``), then the median of ``--repeats``
+synchronized calls, and the peak CUDA memory over the timed calls. Every variant's
+meta-gradient is checked against torchfn eager (max over params of
+``max|g - g_eager| / max|g_eager|``).
+
+Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-cg,jax``):
+
+- ``loop``: the learn2learn/higher pattern, one task at a time with
+  ``autograd.grad(create_graph=True)`` on the ordinary module.
+- ``eager``: ``torchfn.meta.maml(...).meta_grad``, tasks vmapped.
+- ``compiled[-TOKEN...]``: the same under ``torch.compile(fullgraph=True)``; tokens:
+  ``cg`` (mode ``reduce-overhead``: CUDA graphs), ``at`` (``max-autotune-no-cudagraphs``),
+  ``atcg`` (``max-autotune``), ``cl`` (force Inductor's channels-last layout optimization, which
+  it skips by itself for grouped convolutions, i.e. vmapped per-task conv weights),
+  ``bench`` (``torch.backends.cudnn.benchmark=True`` for that variant), ``chunkN`` (tasks in
+  chunks of N). E.g. ``compiled-cg-cl-bench``. ``eager-chunkN``/``eager-bench`` work too.
+- ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
+  ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
+  (default: this interpreter) so the two frameworks never share a process; skipped with a
+  message when that interpreter cannot import jax.
+
+Precision is equal on both sides: ``--precision highest`` (default) turns TF32 off in torch
+(matmul and cuDNN) and sets JAX's default matmul/conv precision to 'highest'; ``tf32`` allows
+TF32 on both. The TF32 state is printed. ``--small`` shrinks everything for a CPU smoke test;
+``--out results.json`` writes JSON.
+
+    python benchmarks/meta.py --out benchmarks/results/meta-h100.json
+    python benchmarks/meta.py --variants compiled,compiled-cg,compiled-cg-cl,compiled-cg-bench,jax
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.func import functional_call
 
 from torchfn.functional import make_functional
 from torchfn.meta._maml import maml
 from torchfn.meta._tasks import Task
 
+EPS = 1e-5
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 def conv_net(channels: int, n_way: int, size: int) -> nn.Module:
-    layers, c_in = [], 1
+    """The 4-block conv net; BatchNorm without running stats (transductive, per task)."""
+    layers: list[nn.Module] = []
+    c_in = 1
     for _ in range(4):
-        layers += [nn.Conv2d(c_in, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+        layers += [nn.Conv2d(c_in, channels, 3, padding=1),
+                   nn.BatchNorm2d(channels, eps=EPS, track_running_stats=False), nn.ReLU(),
                    nn.MaxPool2d(2)]
         c_in = channels
     side = size // 16
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * side * side, n_way))
 
 
-def make_tasks(n_tasks, n_way, k_shot, n_query, size, device, dtype) -> Task:
+def make_tasks(n_tasks: int, n_way: int, k_shot: int, n_query: int, size: int,
+               device: torch.device, dtype: torch.dtype) -> Task:
     g = torch.Generator().manual_seed(0)
-    def rnd(n):
+
+    def rnd(n: int) -> Tensor:
         return torch.randn(n_tasks, n, 1, size, size, generator=g).to(device, dtype)
-    def lab(k):
-        return torch.arange(n_way).repeat_interleave(k).expand(n_tasks, -1).to(device)
+
+    def lab(k: int) -> Tensor:
+        return torch.arange(n_way).repeat_interleave(k).expand(n_tasks, -1).contiguous().to(device)
+
     return Task(rnd(n_way * k_shot), lab(k_shot), rnd(n_way * n_query), lab(n_query))
 
 
-def loop_meta_grad(module, tasks, inner_lr, steps):
+def loop_meta_grad(module: nn.Module, tasks: Task, inner_lr: float, steps: int
+                   ) -> dict[str, Tensor]:
     """The learn2learn/higher pattern: one task at a time, autograd.grad(create_graph=True)."""
     params = dict(module.named_parameters())
-    total = 0
+    total: Tensor | float = 0.0
     n = tasks.support_x.shape[0]
     for t in range(n):
         fast = dict(params)
@@ -58,69 +103,232 @@ def loop_meta_grad(module, tasks, inner_lr, steps):
             fast = {k: v - inner_lr * gk for (k, v), gk in zip(fast.items(), g, strict=True)}
         total = total + F.cross_entropy(functional_call(module, fast, (tasks.query_x[t],)),
                                         tasks.query_y[t])
-    return torch.autograd.grad(total / n, list(params.values()))
+    assert isinstance(total, Tensor)
+    grads = torch.autograd.grad(total / n, list(params.values()))
+    return dict(zip(params, grads, strict=True))
 
 
-def timeit(fn, repeats, device) -> dict:
-    fn()  # warm-up (and compile)
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize(device)
+
+
+def timeit(fn: Callable[[], dict[str, Tensor]], warmup: int, repeats: int, device: torch.device,
+           cudagraphs: bool) -> tuple[dict, dict[str, Tensor]]:
+    """Return ``(timing record, the meta-gradient of the first call, cloned)``."""
+    mark = torch.compiler.cudagraph_mark_step_begin if cudagraphs else (lambda: None)
+    t0 = time.perf_counter()
+    mark()
+    first = {k: v.detach().clone() for k, v in fn().items()}
+    sync(device)
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        mark()
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
+        mark()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return {"median_s": statistics.median(times), "times_s": times, "peak_bytes": peak}
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return ({"median_s": statistics.median(times), "times_s": times, "first_call_s": first_s,
+             "peak_bytes": peak}, first)
+
+
+def profile(fn: Callable[[], dict[str, Tensor]], device: torch.device, cudagraphs: bool,
+            name: str, rows: int = 25) -> None:
+    """Print the ``rows`` most expensive kernels/ops of 2 calls of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    mark = torch.compiler.cudagraph_mark_step_begin if cudagraphs else (lambda: None)
+    with torch_profile(activities=activities) as prof:
+        for _ in range(2):
+            mark()
+            fn()
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- profile of {name} (2 calls), by {key} ---")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
+
+
+def max_rel_diff(got: dict[str, Tensor] | dict[str, np.ndarray], want: dict[str, Tensor]
+                 ) -> float:
+    """Return max over params of ``max|got - want| / max(max|want|, 1e-3 * max_all|want|)``.
+
+    The floor matters: the conv biases in front of BatchNorm have an exactly-zero meta-gradient
+    (the normalization removes them), so their computed gradients are pure rounding noise.
+    """
+    w64 = {k: w.detach().double().cpu() for k, w in want.items()}
+    scale = max(float(w.abs().max()) for w in w64.values())
+    worst = 0.0
+    for k, w in w64.items():
+        g = got[k]
+        g64 = (g.detach().double().cpu() if isinstance(g, Tensor)
+               else torch.from_numpy(np.asarray(g, dtype=np.float64)))
+        denom = max(float(w.abs().max()), 1e-3 * scale, 1e-30)
+        worst = max(worst, float((g64 - w).abs().max()) / denom)
+    return worst
+
+
+@contextlib.contextmanager
+def variant_settings(tokens: set[str]) -> Iterator[None]:
+    """Apply a variant's global switches (cuDNN benchmark, Inductor layout) and restore them."""
+    import torch._inductor.config as inductor_config
+
+    old = (torch.backends.cudnn.benchmark, inductor_config.force_layout_optimization)
+    torch.backends.cudnn.benchmark = "bench" in tokens
+    inductor_config.force_layout_optimization = "cl" in tokens
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark, inductor_config.force_layout_optimization = old
+
+
+def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
+    """Return ``(kind, tokens, chunk_size, compile mode)`` of a variant name; raise if unknown."""
+    kind, *rest = name.split("-")
+    if kind not in ("loop", "eager", "compiled", "jax") or (kind in ("loop", "jax") and rest):
+        raise SystemExit(f"meta.py --variants: unknown variant {name!r} (see --help)")
+    tokens, chunk = set(), None
+    known = {"cg", "at", "atcg", "cl", "bench"} if kind == "compiled" else {"bench"}
+    for tok in rest:
+        if tok.startswith("chunk") and tok[5:].isdigit():
+            chunk = int(tok[5:])
+        elif tok in known:
+            tokens.add(tok)
+        else:
+            raise SystemExit(f"meta.py --variants: unknown token {tok!r} in {name!r} "
+                             f"(known for {kind}: {sorted(known)} and chunkN)")
+    mode = {"cg": "reduce-overhead", "at": "max-autotune-no-cudagraphs",
+            "atcg": "max-autotune"}
+    modes = [mode[t] for t in ("cg", "at", "atcg") if t in tokens]
+    if len(modes) > 1:
+        raise SystemExit(f"meta.py --variants: {name!r} names more than one compile mode")
+    return kind, tokens, chunk, (modes[0] if modes else None)
+
+
+def run_jax(python: str, module: nn.Module, tasks: Task, cfg: dict, inner_lr: float,
+            dtype: str, precision: str, warmup: int, repeats: int) -> dict:
+    """Run ``meta_jax.py`` in a subprocess on the same weights and tasks; return its record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path_in, path_out = os.path.join(tmp, "in.npz"), os.path.join(tmp, "out.npz")
+        arrays = {f"param:{k}": v.detach().cpu().numpy() for k, v in module.named_parameters()}
+        arrays.update({f: getattr(tasks, f).cpu().numpy() for f in Task._fields})
+        np.savez(path_in, dtype=dtype, precision=precision, n_blocks=4, eps=EPS,
+                 inner_lr=inner_lr, inner_steps=cfg["steps"], repeats=repeats, warmup=warmup,
+                 **arrays)
+        proc = subprocess.run([python, os.path.join(HERE, "meta_jax.py"), path_in, path_out],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"skipped": f"meta_jax.py failed (rc {proc.returncode}): "
+                               f"{proc.stderr.strip()[-2000:]}"}
+        out = dict(np.load(path_out))
+    if "skipped" in out:
+        return {"skipped": str(out["skipped"])}
+    grads = {k[len("grad:"):]: v for k, v in out.items() if k.startswith("grad:")}
+    peak = int(out["peak_bytes"])
+    return {"median_s": float(out["median_s"]), "times_s": out["times_s"].tolist(),
+            "first_call_s": float(out["compile_s"]), "peak_bytes": None if peak < 0 else peak,
+            "device": str(out["device"]), "jax": str(out["jax_version"]), "grads": grads}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny sizes for a CPU smoke test")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="calls before timing (>= 1)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--precision", default="highest", choices=["highest", "tf32"])
+    ap.add_argument("--variants", default="loop,eager,compiled,compiled-cg,jax")
+    ap.add_argument("--jax-python", default=sys.executable,
+                    help="interpreter for the JAX twin (needs numpy and jax)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--skip", default="", help="comma list of: loop,eager,compiled,jax")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each torch variant, profile 2 calls and print the top "
+                         "kernels by device time (to see where the time goes)")
     args = ap.parse_args()
+    if args.warmup < 1:
+        ap.error(f"--warmup: expected >= 1, got {args.warmup}")
+    variants = [(*parse_variant(v), v) for v in args.variants.split(",") if v]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
+    tf32 = args.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    print(f"torch {torch.__version__} on {device}"
+          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+          f"{args.dtype}, TF32: matmul={torch.backends.cuda.matmul.allow_tf32} "
+          f"cudnn={torch.backends.cudnn.allow_tf32}")
     cfg = dict(channels=64, n_tasks=32, n_way=5, k_shot=1, n_query=15, size=28, steps=5)
     if args.small:
         cfg.update(channels=8, n_tasks=4, n_query=3, size=16, steps=2)
+    print("config:", cfg)
     inner_lr = 0.01
     torch.manual_seed(0)
     module = conv_net(cfg["channels"], cfg["n_way"], cfg["size"]).to(device, dtype)
     tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"],
                        cfg["size"], device, dtype)
     model_fn, params, buffers = make_functional(module)
-    learner = maml(model_fn, F.cross_entropy, inner_lr=inner_lr, inner_steps=cfg["steps"])
-    skip = set(args.skip.split(",")) - {""}
-    results = {"config": cfg, "device": str(device), "dtype": args.dtype,
-               "torch": torch.__version__, "runs": {}}
-    ref = copy.deepcopy(module)
-    runs = {
-        "loop": lambda: loop_meta_grad(ref, tasks, inner_lr, cfg["steps"]),
-        "torchfn_eager": lambda: learner.meta_grad(params, buffers, tasks),
-    }
-    compiled = torch.compile(learner.meta_grad, fullgraph=True)
-    runs["torchfn_compiled"] = lambda: compiled(params, buffers, tasks)
-    for name, fn in runs.items():
-        if name.removeprefix("torchfn_") in skip:
+    results: dict = {"config": cfg, "device": str(device), "dtype": args.dtype,
+                     "precision": args.precision, "torch": torch.__version__,
+                     "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
+                              "cudnn": torch.backends.cudnn.allow_tf32}, "runs": {}}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
+    ref_module = copy.deepcopy(module)
+    reference = {k: v.detach().clone() for k, v in maml(
+        model_fn, F.cross_entropy, inner_lr=inner_lr, inner_steps=cfg["steps"]
+    ).meta_grad(params, buffers, tasks)[0].items()}
+
+    def report(name: str, rec: dict) -> None:
+        peak = rec.get("peak_bytes")
+        peak_s = f"{peak / 2**20:8.0f} MiB" if peak else "       - MiB"
+        diff = rec.get("max_rel_diff_vs_eager")
+        print(f"{name:26s} {rec['median_s'] * 1e3:9.2f} ms  peak {peak_s}  "
+              f"first call {rec['first_call_s']:7.1f} s  "
+              f"max rel diff vs eager {'-' if diff is None else f'{diff:.1e}'}", flush=True)
+
+    for kind, tokens, chunk, mode, name in variants:
+        if kind == "jax":
+            rec = run_jax(args.jax_python, module, tasks, cfg, inner_lr, args.dtype,
+                          args.precision, args.warmup, args.repeats)
+            if "skipped" in rec:
+                print(f"{name:26s} skipped: {rec['skipped']}", flush=True)
+            else:
+                rec["max_rel_diff_vs_eager"] = max_rel_diff(rec.pop("grads"), reference)
+                report(f"{name} ({rec['jax']})", rec)
+            results["runs"][name] = rec
             continue
-        results["runs"][name] = timeit(fn, args.repeats, device)
-        print(f"{name:18s} {results['runs'][name]['median_s'] * 1e3:9.1f} ms  "
-              f"peak {results['runs'][name]['peak_bytes']}")
-    try:
-        import jax  # noqa: F401
-    except ImportError:
-        results["runs"]["jax"] = {"skipped": "jax is not importable"}
-        print("jax: not importable, skipped")
-    else:  # pragma: no cover - needs jax
-        results["runs"]["jax"] = {"skipped": "JAX twin not written yet"}
-        print("jax: importable, but the JAX twin is not written yet")
+        torch._dynamo.reset()
+        with variant_settings(tokens):
+            if kind == "loop":
+                def fn() -> dict[str, Tensor]:
+                    return loop_meta_grad(ref_module, tasks, inner_lr, cfg["steps"])
+            else:
+                learner = maml(model_fn, F.cross_entropy, inner_lr=inner_lr,
+                               inner_steps=cfg["steps"], chunk_size=chunk)
+                call = learner.meta_grad
+                if kind == "compiled":
+                    call = torch.compile(learner.meta_grad, fullgraph=True, mode=mode)
+
+                def fn(call=call) -> dict[str, Tensor]:
+                    return call(params, buffers, tasks)[0]
+            cudagraphs = mode in ("reduce-overhead", "max-autotune")
+            rec, grads = timeit(fn, args.warmup, args.repeats, device, cudagraphs=cudagraphs)
+            if args.profile:
+                profile(fn, device, cudagraphs, name)
+        rec["max_rel_diff_vs_eager"] = max_rel_diff(grads, reference)
+        results["runs"][name] = rec
+        report(name, rec)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

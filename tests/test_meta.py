@@ -196,8 +196,16 @@ def test_compiled_meta_grad_with_batchnorm_equals_loop():
 
 @pytest.mark.slow
 def test_inductor_compiled_step_with_batchnorm_equals_eager():
-    """The real backend (Inductor), BatchNorm, chunks: ~75 s of compile on 2 CPU cores."""
-    model_fn, params, buffers = make_functional(_mlp(True))
+    """The real backend (Inductor), BatchNorm, chunks: ~50 s of compile on 2 CPU cores.
+
+    The first Linear has no bias: a bias in front of BatchNorm has an exactly-zero gradient,
+    so its computed meta-gradient is rounding noise (~1e-16) that Adam's ``g / (|g| + eps)``
+    scales up by ``1 / eps`` -- compiled and eager then differ by ~1e-9 in that bias for no
+    fault of either.
+    """
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(1, 6, bias=False), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 1))
+    model_fn, params, buffers = make_functional(net.to(DT))
     learner = maml(model_fn, F.mse_loss, inner_lr=LR, inner_steps=STEPS, chunk_size=2)
     opt = adam(1e-2)
     state = init_meta_state(learner, params, buffers, opt)
@@ -210,9 +218,11 @@ def test_inductor_compiled_step_with_batchnorm_equals_eager():
         s_eager, _ = step(s_eager, tasks)
         s_comp, _ = compiled(s_comp, tasks)
     for k in s_eager.params:
-        torch.testing.assert_close(s_comp.params[k], s_eager.params[k], rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(s_comp.params[k], s_eager.params[k], rtol=1e-10, atol=1e-13,
+                                   msg=k)
     for k in s_eager.buffers:
-        torch.testing.assert_close(s_comp.buffers[k], s_eager.buffers[k], rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(s_comp.buffers[k], s_eager.buffers[k], rtol=1e-10, atol=1e-13,
+                                   msg=k)
 
 
 def test_memory_does_not_grow_over_50_meta_steps():
