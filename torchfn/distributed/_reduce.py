@@ -28,6 +28,8 @@ from torchfn.distributed._env import world_info
 __all__ = ["all_gather_tree", "all_reduce_tree", "make_grad_reducer"]
 
 DEFAULT_BUCKET_MB = 25.0
+# newer torch deprecates all_gather_tensor in favour of all_gather_single (same op)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def _group(group: ProcessGroup | None) -> ProcessGroup:
@@ -136,7 +138,7 @@ def all_gather_tree(tree: Mapping[str, Tensor], *,
         if not isinstance(t, Tensor):
             raise TypeError(f"all_gather_tree(tree): expected a dict of tensors, got "
                             f"{type(t).__name__} at {k!r}")
-        out[k] = t if t.ndim == 0 else funcol.all_gather_single(t.contiguous(), 0, pg)
+        out[k] = t if t.ndim == 0 else _all_gather(t.contiguous(), 0, pg)
     return {k: _materialise(v) for k, v in out.items()}
 
 
