@@ -118,11 +118,11 @@ def bench_loop(n: int, sizes: list[int], batch: int, device: torch.device, reps:
 
 
 class TorchfnStep:
-    """One step function (eager or compiled) shared by every N: built once, N-independent."""
+    """The torchfn step for N members, eager or compiled: Adam with a per-member ``(N,)`` lr."""
 
-    def __init__(self, sizes: list[int], device: torch.device, mode: str) -> None:
+    def __init__(self, sizes: list[int], device: torch.device, mode: str, n: int) -> None:
         self.model_fn = Ensemble.from_seeds(make_net(sizes), seeds=[0]).model_fn
-        self.opt = stacked_adam(lr=1e-3)
+        self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
         step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt)
         self.mode = mode
         if mode == "compiled":
@@ -241,6 +241,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=200.0,
                         help="seconds after which no new measurement starts")
     parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--ns", default=None,
+                        help="scaling N values, comma-separated (default 1,2,4,...,256)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -251,6 +253,8 @@ def main() -> None:
     else:
         sizes, batch, n, reps = [784, 256, 256, 10], 128, args.members, args.repeats
         ns, loop_max = [1, 2, 4, 8, 16, 32, 64, 128, 256], 64
+    if args.ns:
+        ns = sorted({int(v) for v in args.ns.split(",")})
     results: dict[str, Any] = {
         "device": str(device), "torch": torch.__version__, "python": platform.python_version(),
         "platform": platform.platform(), "sizes": sizes, "batch": batch, "n_members": n,
@@ -286,7 +290,7 @@ def main() -> None:
     for name in ("recompile_limit", "cache_size_limit"):  # 9 N values = 9 graphs of one frame
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    steps = {m: TorchfnStep(sizes, device, m) for m in ("eager", "compiled")}
+    steps = {m: TorchfnStep(sizes, device, m, n) for m in ("eager", "compiled")}
     side: dict[str, Any] = {}
     print(f"== side by side: N={n}, sizes={sizes}, batch={batch}", flush=True)
     side["torch_optim_loop"] = guarded("torch.optim loop", budget,
@@ -295,7 +299,7 @@ def main() -> None:
         side[f"torchfn_{m}"] = guarded(f"torchfn {m}", budget,
                                        lambda s=s: s.bench(n, sizes, batch, device, reps))
     if device.type == "cuda":
-        ro = TorchfnStep(sizes, device, "reduce-overhead")
+        ro = TorchfnStep(sizes, device, "reduce-overhead", n)
         side["torchfn_compiled_cudagraphs"] = guarded(
             "torchfn compiled reduce-overhead", budget,
             lambda: ro.bench(n, sizes, batch, device, reps))
@@ -313,8 +317,8 @@ def main() -> None:
     for k in ns:
         print(f" N={k}", flush=True)
         scaling["torchfn_eager"][k] = guarded(
-            "torchfn eager", budget, lambda k=k: steps["eager"].bench(k, sizes, batch, device,
-                                                                      reps))
+            "torchfn eager", budget, lambda k=k: TorchfnStep(sizes, device, "eager", k).bench(
+                k, sizes, batch, device, reps))
         if jax_step is not None:
             scaling["jax_vmap_optax"][k] = (side["jax_vmap_optax"] if k == n else guarded(
                 "jax", budget, lambda k=k: jax_step.bench(k, sizes, batch, reps)))
@@ -329,7 +333,7 @@ def main() -> None:
             continue
         print(f" N={k}", flush=True)
         torch._dynamo.reset()
-        fresh = TorchfnStep(sizes, device, "compiled")
+        fresh = TorchfnStep(sizes, device, "compiled", k)
         scaling["torchfn_compiled"][k] = guarded(
             "torchfn compiled", budget, lambda k=k, f=fresh: f.bench(k, sizes, batch, device,
                                                                      reps))
