@@ -18,6 +18,8 @@ CUDA timings use CUDA events after warm-up; CPU timings use perf_counter.
     python benchmarks/ops.py --out benchmarks/results/ops_h100.json
     python benchmarks/ops.py --sweep   # kernel vs eager twin over sizes 2^10..2^26 (fp32):
                                        # where the kernel starts to win (dispatch min_numel)
+    python benchmarks/ops.py --ops softmax_cross_entropy --table-only \
+        --xent-shapes 4096x50257 --impls kernel-raw kernel twin-compiled   # one case, quickly
 
 Op 3 (``linear_grad_norms_sq``, ``clipped_linear_grad_sum``: inputs ``(B, [T,] d)`` pairs,
 GEMM-bound 3-D paths) has its own driver with the same columns, reusing ``_timer`` and
@@ -150,32 +152,47 @@ def _xent_rows(args: argparse.Namespace, device: torch.device, copy_gbs: float) 
         xr = x.detach().requires_grad_(True)
         return lambda: torch.autograd.grad(fn(xr, t), xr)
 
+    def wanted(impl: str) -> bool:
+        return not args.impls or impl in args.impls
+
     try:
         large = args.small is False and device.type == "cuda"
         shapes = XENT_SHAPES if large else XENT_SMALL
+        if args.xent_shapes:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.xent_shapes]
         for n, c in shapes:
             for dtype_name in args.dtypes:
                 dtype = DTYPES[dtype_name]
                 x, t = _xent_inputs(n, c, dtype, device)
                 name, elem = f"xent {n}x{c}", x.element_size()
-                compiled = torch.compile(reference.softmax_cross_entropy, dynamic=False)
                 impls = [("kernel", ops.softmax_cross_entropy),
                          ("twin", reference.softmax_cross_entropy),
-                         ("twin-compiled", compiled), ("torch", F.cross_entropy)]
+                         ("twin-compiled", reference.softmax_cross_entropy),
+                         ("torch", F.cross_entropy)]
                 for impl, fn in impls:
-                    if impl == "kernel":
-                        record(name, dtype_name, "fwd", "kernel-raw", n * c, 1, elem,
-                               lambda x=x, t=t:
-                               torch.ops.torchfn.softmax_cross_entropy(x, t, 0.0, -100))
-                        record(name, dtype_name, "fwd+bwd", "kernel-raw", n * c, 3, elem,
-                               _xent_raw_fwd_bwd(x, t))
-                    else:
-                        record(name, dtype_name, "fwd", impl, n * c, 1, elem,
-                               lambda fn=fn, x=x, t=t: fn(x, t))
+                    if impl == "kernel":  # raw library ops, then the public op (fwd+bwd)
+                        if wanted("kernel-raw"):
+                            record(name, dtype_name, "fwd", "kernel-raw", n * c, 1, elem,
+                                   lambda x=x, t=t:
+                                   torch.ops.torchfn.softmax_cross_entropy(x, t, 0.0, -100))
+                            record(name, dtype_name, "fwd+bwd", "kernel-raw", n * c, 3, elem,
+                                   _xent_raw_fwd_bwd(x, t))
+                        if wanted("kernel"):
+                            record(name, dtype_name, "fwd+bwd", impl, n * c, 3, elem,
+                                   fwd_bwd(fn, x, t))
+                        continue
+                    if not wanted(impl):
+                        continue
+                    if impl == "twin-compiled":
+                        fn = torch.compile(fn, dynamic=False)
+                    record(name, dtype_name, "fwd", impl, n * c, 1, elem,
+                           lambda fn=fn, x=x, t=t: fn(x, t))
                     record(name, dtype_name, "fwd+bwd", impl, n * c, 3, elem, fwd_bwd(fn, x, t))
                 del x, t
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        if args.table_only:
+            return rows
         if device.type == "cuda" and not args.small:
             for (n, c), dtype_name in itertools.product(XENT_SWEEP, args.dtypes):
                 x, t = _xent_inputs(n, c, DTYPES[dtype_name], device)
@@ -322,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--sweep", action="store_true",
                         help="kernel vs eager twin over sizes instead of the main table")
+    parser.add_argument("--xent-shapes", nargs="+", default=None, metavar="NxC",
+                        help="softmax_cross_entropy: these shapes instead of the default ones")
+    parser.add_argument("--table-only", action="store_true",
+                        help="softmax_cross_entropy: the main table only (no size sweep, no MAML)")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        choices=["kernel-raw", "kernel", "twin", "twin-compiled", "torch"],
+                        help="softmax_cross_entropy: time only these implementations")
     args = parser.parse_args(argv)
     if args.sweep:
         result = sweep(args)

@@ -4,6 +4,8 @@ For each case and dtype, times forward and forward+backward of
 
 - ``kernel``: torchfn's kernel (forward: the raw library op; forward+backward: the
   autograd.Function around the kernels, bypassing the dispatch rule),
+- ``kernel-raw`` (2-D norms, forward+backward): the forward and backward library ops alone,
+  the backward reusing the forward's ``aux`` (the GPU time of the kernels, no autograd),
 - ``twin``: the pure-PyTorch reference twin (:mod:`torchfn.ops.reference`), eager,
 - ``twin-compiled``: the twin under ``torch.compile`` (what the dispatch rule runs while
   compiling),
@@ -18,6 +20,7 @@ eager twin, fwd and fwd+bwd) over batch sizes for each family, to place the disp
     python benchmarks/ops_ghost.py                      # CUDA if present, H100-filling sizes
     python benchmarks/ops_ghost.py --small --device cpu # smoke test
     python benchmarks/ops_ghost.py --sweep
+    python benchmarks/ops_ghost.py --ops norms-2d norms-2d-narrow --impls kernel kernel-raw
 """
 
 from __future__ import annotations
@@ -72,6 +75,17 @@ def _case_fns(method: str | None) -> dict[str, Callable]:
     }
 
 
+def _raw_fwd_bwd(a: torch.Tensor, g: torch.Tensor, w: torch.Tensor,
+                 method: str) -> Callable[[], object]:
+    """Forward then backward library ops (the backward reusing the forward's aux), no autograd."""
+
+    def step() -> object:
+        _, aux = torch.ops.torchfn.linear_grad_norms_sq(a, g, False, method)
+        return torch.ops.torchfn.linear_grad_norms_sq_backward(w, a, g, aux, False, method)
+
+    return step
+
+
 def _macs(batch: int, time: int | None, d_in: int, d_out: int, method: str | None) -> float:
     """Multiply-adds of the forward kernel (GEMM-bound cases)."""
     t = time or 1
@@ -120,12 +134,16 @@ def run(args: argparse.Namespace) -> dict:
                 ("fwd", "twin", lambda f=fns["twin"], x=inputs: f(*x)),
                 ("fwd", "twin-compiled", lambda f=compiled_twin, x=inputs: f(*x)),
             ]
+            if kernels_ok and method is not None:  # the library ops alone: GPU time
+                impls.append(("fwd+bwd", "kernel-raw", _raw_fwd_bwd(a, g, w, method)))
             if kernels_ok:
                 impls.append(("fwd+bwd", "kernel", fwd_bwd(fns["function"])))
             impls += [
                 ("fwd+bwd", "twin", fwd_bwd(fns["twin"])),
                 ("fwd+bwd", "twin-compiled", fwd_bwd(compiled_twin)),
             ]
+            if args.impls:
+                impls = [i for i in impls if i[1] in args.impls]
             in_bytes = (a.numel() + g.numel()) * a.element_size()
             for pass_name, impl, fn in impls:
                 try:
@@ -228,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument("--sweep", action="store_true", help="2-D norms over batch sizes")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        choices=["kernel", "kernel-raw", "twin", "twin-compiled"],
+                        help="time only these implementations (default: all)")
     args = parser.parse_args(argv)
     if args.sweep:
         result = sweep(args)

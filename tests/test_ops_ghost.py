@@ -151,7 +151,11 @@ def test_clipped_sum_equals_explicit_clipped_per_sample_gradients(kernels, kind,
 # kernels == twins, every dtype; both 3-D paths; empty, unaligned and non-contiguous inputs
 
 SHAPES_2D = [(0, 3, 4), (1, 1, 1), (5, 7, 3), (3, 1027, 17), (64, 40, 24), (2, 20000, 300),
-             (3, 20001, 301), (4, 0, 5)]  # (B, d_in, d_out): tails, one row split (CUDA) ...
+             (3, 20001, 301), (4, 0, 5),  # (B, d_in, d_out): tails, one row split (CUDA) ...
+             # ... a and g of very different lengths (the CUDA kernels read them side by side,
+             # batches running past the shorter one), 8-thread groups over many rows, and split
+             # rows whose splits of a run out (some empty)
+             (9, 8, 4096), (300, 128, 136), (2, 64, 30000)]
 SHAPES_3D = [(0, 3, 4, 5), (2, 0, 3, 4), (3, 5, 7, 6), (2, 9, 4, 5), (4, 16, 32, 24)]
 
 

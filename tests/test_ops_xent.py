@@ -120,6 +120,60 @@ def test_backward_kernels_match_twin_derivatives(kernels, device, dtype, shape, 
     _close(d_x, want_x.to(dtype), dtype)
 
 
+# Row lengths around the vector widths (2 elements for fp64 .. 8 for bf16/fp16) and a
+# vocabulary-sized odd C. 9 rows of odd C start at every offset from a 16-byte boundary, and the
+# storage offsets 0..7 move the first row too, so the CUDA kernels' peeled rows (scalar head up to
+# a 16-byte boundary, vector body, scalar tail) meet every head/body/tail split, in the forward
+# (any offset), the backward and the double backward (offset 0: the outputs are fresh, aligned
+# tensors; at other offsets they take the scalar path).
+PEEL_CLASSES = [1, 2, 3, 5, 7, 8, 9, 31, 33, 50257]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("c", PEEL_CLASSES)
+def test_rows_at_every_alignment_match_float64_twin(kernels, device, dtype, c):
+    """Forward, backward and double-backward kernels == the float64 twin's values and
+    derivatives for contiguous logits at storage offsets 0..7 (misaligned rows)."""
+    _need_device(kernels, device)
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    n, eps = 9, 0.2
+    gen = torch.Generator().manual_seed(20 + c)
+    storage = (3.0 * torch.randn(7 + n * c, generator=gen, dtype=torch.float64)).to(device, dtype)
+    t = torch.randint(0, c, (n,), generator=gen)
+    t[4] = IGNORE
+    t = t.to(device)
+    g = torch.randn(n, generator=gen, dtype=torch.float64).to(device, acc)
+    v = torch.randn(n, c, generator=gen, dtype=torch.float64).to(device, dtype)
+
+    def tol(out_dtype: torch.dtype, offset: int, atol_scale: float = 1.0) -> dict:
+        """The dtype's tolerance plus the row sums' rounding in the accumulation dtype, which
+        grows like sqrt(C) (the CPU kernel sums a row serially)."""
+        base = TOLERANCES[out_dtype]
+        return {"rtol": base["rtol"] + TOLERANCES[acc]["rtol"] * c**0.5,
+                "atol": base["atol"] * atol_scale, "msg": lambda m: f"offset {offset}: {m}"}
+
+    for offset in range(8):
+        x = storage[offset:offset + n * c].view(n, c)
+        assert x.is_contiguous() and x.storage_offset() == offset
+        x64 = x.detach().double().requires_grad_(True)
+        g64 = g.detach().double().requires_grad_(True)
+        rows = reference.softmax_cross_entropy(x64, t, label_smoothing=eps, reduction="none")
+        (dx64,) = torch.autograd.grad(rows, x64, g64, create_graph=True)
+        want_g, want_x = torch.autograd.grad(dx64, (g64, x64), v.double(), allow_unused=True,
+                                             materialize_grads=True)
+
+        loss, stats = torch.ops.torchfn.softmax_cross_entropy(x, t, eps, IGNORE)
+        _close(loss, rows.detach().to(acc), acc, **tol(acc, offset))
+        dx = torch.ops.torchfn.softmax_cross_entropy_backward(g, x, t, stats, eps, IGNORE)
+        _close(dx, dx64.detach().to(dtype), dtype, **tol(dtype, offset))
+        d_g, d_x = torch.ops.torchfn.softmax_cross_entropy_double_backward(
+            v, g, x, t, stats, eps, IGNORE)
+        _close(d_g, want_g.to(acc), acc, **tol(acc, offset, atol_scale=max(1, c) ** 0.5))
+        _close(d_x, want_x.to(dtype), dtype, **tol(dtype, offset))
+        assert (dx[4] == 0).all() and (d_x[4] == 0).all() and loss[4] == 0 and d_g[4] == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_extreme_logits_and_masked_classes(kernels, device):
     """Large offsets (stability), -inf masked classes (zero probability, finite loss), a row of
@@ -680,15 +734,19 @@ def test_cuda_device_checks_and_out_of_range_targets(kernels):
         torch.ops.torchfn.softmax_cross_entropy_backward(
             torch.ones(4, device="cuda", dtype=torch.float64), x.cpu(),
             torch.tensor([0, 1, 2, 3]), torch.zeros(4, 2, dtype=torch.float64), 0.0, IGNORE)
-    # Out of range on CUDA: that row's loss and gradient are NaN (no host sync), others exact.
-    t = torch.tensor([0, 6, IGNORE, -3], device="cuda")
-    leaf = x.clone().requires_grad_(True)
-    rows = ops.softmax_cross_entropy(leaf, t, reduction="none")
-    assert rows[1].isnan() and rows[3].isnan() and rows[2] == 0
-    torch.testing.assert_close(rows[0], F.cross_entropy(x[:1], t[:1], reduction="sum"))
-    (g,) = torch.autograd.grad(rows[0] + rows[1], leaf)
-    assert g[1].isnan().all() and g[3].isnan().all() and (g[2] == 0).all()
-    assert ops.softmax_cross_entropy(x, t).isnan()
-    twin = reference.softmax_cross_entropy(x, t, reduction="none")  # the twin: NaN rows too
-    assert twin[1].isnan() and twin[3].isnan() and twin[2] == 0
+    # Out of range on CUDA: that row's loss and gradient are NaN (no host sync), others exact;
+    # for C = 6 (vector loads), 7 and 4099 (peeled rows; warp and block rows).
+    for c in (6, 7, 4099):
+        x = torch.randn(4, c, device="cuda", dtype=torch.float64)
+        t = torch.tensor([0, c, IGNORE, -3], device="cuda")
+        leaf = x.clone().requires_grad_(True)
+        rows = ops.softmax_cross_entropy(leaf, t, reduction="none")
+        assert rows[1].isnan() and rows[3].isnan() and rows[2] == 0
+        torch.testing.assert_close(rows[0], F.cross_entropy(x[:1], t[:1], reduction="sum"))
+        (g,) = torch.autograd.grad(rows[0] + rows[1], leaf)
+        assert g[1].isnan().all() and g[3].isnan().all() and (g[2] == 0).all()
+        assert g[0].isfinite().all()
+        assert ops.softmax_cross_entropy(x, t).isnan()
+        twin = reference.softmax_cross_entropy(x, t, reduction="none")  # the twin: NaN rows too
+        assert twin[1].isnan() and twin[3].isnan() and twin[2] == 0
     torch.cuda.synchronize()  # the context is healthy (no device-side assert)

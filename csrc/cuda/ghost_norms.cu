@@ -3,10 +3,14 @@
 // 2-D inputs are bandwidth-bound and get fused kernels: a group of TPR threads (8 threads, a warp
 // or the whole block, by row length) owns one (sample, split) work item, reads its segment of a_i
 // and g_i once with 16-byte loads, and reduces both squared norms together in opmath (float for
-// half/bfloat16). Rows are split across several groups (S > 1) only when the batch is too small
-// to fill the GPU; then per-split partial sums go to a small workspace and a second kernel
-// finishes. The forward also returns aux = the two squared row norms per sample, so that the
-// backward is one elementwise pass: da_i = 2 w_i ||g_i||^2 a_i, dg_i = 2 w_i (||a_i||^2 + b) g_i
+// half/bfloat16). a_i and g_i are read side by side, several loads in flight per thread before
+// any is used (kBatch, kScaleBatch), and each grid is one wave of the blocks that fit on the GPU
+// at the kernel's register use (cudaOccupancyMaxActiveBlocksPerMultiprocessor), the kernels
+// striding over the items. Rows are split across several groups (S > 1) only when the batch is
+// too small to fill the GPU; then per-split partial sums go to a small workspace and a second
+// kernel finishes. The forward also returns aux = the two squared row norms per sample, so that
+// the backward is one elementwise pass:
+//   da_i = 2 w_i ||g_i||^2 a_i,  dg_i = 2 w_i (||a_i||^2 + b) g_i
 // (without aux, it reduces each row and rescales it from L1/L2, or uses partials if S > 1).
 // 3-D inputs and the clipped sum are GEMMs: the device-generic ATen code of ghost_norms.h
 // (cuBLAS through at::bmm / at::mm).
@@ -18,6 +22,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <utility>
 #include <type_traits>
 
 #include "../common.h"
@@ -33,61 +38,126 @@ enum class Mode { kForward, kPartial, kBackward };
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
-// Sum of squares of row[lo, hi) over the TPR threads of a group (this thread's share). With
-// V > 1, lo and hi are multiples of V and row is 16-byte aligned.
+// Packs a thread loads from each tensor before using any of them (16 bytes each with V > 1):
+// with a and g read side by side, 2 * kBatch loads are in flight per thread.
+constexpr int kBatch = 4;
+// The same for the rescaling pass (loads, then stores): 2 packs of each of a and g, which keeps
+// the kernel under 64 registers (4 blocks per multiprocessor) for every dtype; with kBatch
+// packs, bfloat16 took ~100 registers (2 blocks).
+constexpr int kScaleBatch = 2;
+
+// This thread's share (of a group of TPR threads) of the sums of squares of a[a_lo, a_hi) and
+// g[g_lo, g_hi), read side by side: each step loads kBatch packs of each (loads past a segment's
+// end are skipped and count as zeros) before accumulating any. With V > 1, the bounds are
+// multiples of V and a, g are 16-byte aligned.
 template <typename scalar_t, int V, int TPR>
-__device__ __forceinline__ at::opmath_type<scalar_t> segment_sum_sq(const scalar_t* row,
-                                                                    int64_t lo, int64_t hi,
-                                                                    int lane) {
+__device__ __forceinline__ void segment_sum_sq2(const scalar_t* a, int64_t a_lo, int64_t a_hi,
+                                                const scalar_t* g, int64_t g_lo, int64_t g_hi,
+                                                int lane, at::opmath_type<scalar_t>& sa,
+                                                at::opmath_type<scalar_t>& sg) {
   using opmath_t = at::opmath_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  const P* p = reinterpret_cast<const P*>(row + lo);
-  const int64_t n = (hi - lo) / V;
-  opmath_t acc[4] = {0, 0, 0, 0};
-  int64_t k = lane;
-  for (; k + 3 * TPR < n; k += 4 * TPR) {  // four loads in flight per thread
-    P v[4];
+  const P* pa = reinterpret_cast<const P*>(a + a_lo);
+  const P* pg = reinterpret_cast<const P*>(g + g_lo);
+  const int64_t na = (a_hi - a_lo) / V, ng = (g_hi - g_lo) / V;
+  const int64_t n = na > ng ? na : ng;
+  opmath_t acc_a[kBatch], acc_g[kBatch];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = p[k + u * TPR];
+  for (int u = 0; u < kBatch; ++u) acc_a[u] = acc_g[u] = opmath_t(0);
+  // Pointers advance by the step; the packs of one step sit at constant offsets from them, and
+  // na, ng count the packs left from the step's start.
+  for (int64_t k = lane; k < n; k += static_cast<int64_t>(kBatch) * TPR) {
+    const P* qa = pa + k;
+    const P* qg = pg + k;
+    const int64_t ra = na - k, rg = ng - k;
+    P va[kBatch], vg[kBatch];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) va[u].v[j] = vg[u].v[j] = scalar_t(0);
+      if (u * TPR < ra) va[u] = qa[u * TPR];
+      if (u * TPR < rg) vg[u] = qg[u * TPR];
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const opmath_t x = static_cast<opmath_t>(v[u].v[j]);
-        acc[u] += x * x;
+        const opmath_t x = static_cast<opmath_t>(va[u].v[j]);
+        const opmath_t y = static_cast<opmath_t>(vg[u].v[j]);
+        acc_a[u] += x * x;
+        acc_g[u] += y * y;
       }
     }
   }
-  for (; k < n; k += TPR) {
-    const P v = p[k];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const opmath_t x = static_cast<opmath_t>(v.v[j]);
-      acc[0] += x * x;
-    }
-  }
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  static_assert(kBatch == 4, "the pairwise sums below assume kBatch == 4");
+  sa = (acc_a[0] + acc_a[1]) + (acc_a[2] + acc_a[3]);
+  sg = (acc_g[0] + acc_g[1]) + (acc_g[2] + acc_g[3]);
 }
 
-// dst[lo, hi) = src[lo, hi) * scale, this thread's share of the group.
-template <typename scalar_t, int V, int TPR>
-__device__ __forceinline__ void segment_scale(const scalar_t* src, scalar_t* dst, int64_t lo,
-                                              int64_t hi, int lane,
-                                              at::opmath_type<scalar_t> scale) {
+// da[a_lo, a_hi) = a[a_lo, a_hi) * scale_a and dg[g_lo, g_hi) = g[g_lo, g_hi) * scale_g, this
+// thread's share of the group, read side by side: each step loads kScaleBatch packs of a and
+// of g before storing any. `scales()` returns {scale_a, scale_g}; it is called once, after the
+// first step's loads are issued, so that the loads it makes (the row's sums, its weight)
+// overlap them.
+template <typename scalar_t, int V, int TPR, typename Scales>
+__device__ __forceinline__ void segment_scale2(const scalar_t* a, scalar_t* da, int64_t a_lo,
+                                               int64_t a_hi, const scalar_t* g, scalar_t* dg,
+                                               int64_t g_lo, int64_t g_hi, int lane,
+                                               Scales&& scales) {
   using opmath_t = at::opmath_type<scalar_t>;
   using P = Pack<scalar_t, V>;
-  const P* s = reinterpret_cast<const P*>(src + lo);
-  P* d = reinterpret_cast<P*>(dst + lo);
-  const int64_t n = (hi - lo) / V;
-#pragma unroll 4
-  for (int64_t k = lane; k < n; k += TPR) {
-    const P v = s[k];
-    P o;
+  const P* pa = reinterpret_cast<const P*>(a + a_lo);
+  const P* pg = reinterpret_cast<const P*>(g + g_lo);
+  P* pda = reinterpret_cast<P*>(da + a_lo);
+  P* pdg = reinterpret_cast<P*>(dg + g_lo);
+  // Like segment_sum_sq2: the pointers advance by the step (constant offsets within it), and
+  // ra, rg count the packs left from the step's start.
+  int64_t ra = (a_hi - a_lo) / V - lane, rg = (g_hi - g_lo) / V - lane;
+  if (ra <= 0 && rg <= 0) return;
+  pa += lane;
+  pg += lane;
+  pda += lane;
+  pdg += lane;
+  constexpr int64_t kStep = static_cast<int64_t>(kScaleBatch) * TPR;
+  P va[kScaleBatch], vg[kScaleBatch];
+  auto load = [&] {
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      o.v[j] = static_cast<scalar_t>(static_cast<opmath_t>(v.v[j]) * scale);
+    for (int u = 0; u < kScaleBatch; ++u) {
+      if (u * TPR < ra) va[u] = pa[u * TPR];
+      if (u * TPR < rg) vg[u] = pg[u * TPR];
     }
-    d[k] = o;
+  };
+  load();
+  const auto sc = scales();
+  const opmath_t scale_a = sc.first, scale_g = sc.second;
+  while (true) {
+#pragma unroll
+    for (int u = 0; u < kScaleBatch; ++u) {
+      if (u * TPR < ra) {
+        P o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          o.v[j] = static_cast<scalar_t>(static_cast<opmath_t>(va[u].v[j]) * scale_a);
+        }
+        pda[u * TPR] = o;
+      }
+      if (u * TPR < rg) {
+        P o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          o.v[j] = static_cast<scalar_t>(static_cast<opmath_t>(vg[u].v[j]) * scale_g);
+        }
+        pdg[u * TPR] = o;
+      }
+    }
+    ra -= kStep;
+    rg -= kStep;
+    if (ra <= 0 && rg <= 0) break;
+    pa += kStep;
+    pg += kStep;
+    pda += kStep;
+    pdg += kStep;
+    load();
   }
 }
 
@@ -128,22 +198,28 @@ struct Plan {
   int64_t blocks;
 };
 
-// Vector width, group size and splits for rows of d_in + d_out elements: a group gets >= 4
-// loads per thread where possible (8 threads for short rows, a warp, or the whole block), and
-// rows are split only when B groups cannot fill the GPU.
-template <typename scalar_t>
-Plan make_plan(const scalar_t* a, const scalar_t* g, int64_t B, int64_t d_in, int64_t d_out) {
-  constexpr int kVec = cuda::VecWidth<scalar_t>::value;
-  Plan p{};
-  const bool vec_ok = cuda::aligned16(a) && cuda::aligned16(g) && d_in % kVec == 0 &&
-                      d_out % kVec == 0;
-  p.vec = vec_ok ? kVec : 1;
+// Blocks of cuda::kThreads threads of `kernel` that fit on one multiprocessor at a time (its
+// registers and static shared memory decide), at least 1.
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel) {
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, cuda::kThreads, 0));
+  return std::max(n, 1);
+}
+
+// Splits, split lengths and grid of plan `p` (vec and tpr set) for a kernel of which
+// `per_sm` blocks are resident per multiprocessor: rows are split only when B groups cannot
+// fill the GPU, and the grid is one wave of resident blocks (the kernels stride over the rest),
+// so that no block waits for another to finish.
+inline void size_plan(Plan& p, int per_sm, int64_t B, int64_t d_in, int64_t d_out) {
   const int64_t row_loads = (d_in + d_out + p.vec - 1) / p.vec;
-  p.tpr = row_loads <= 8 * 8 ? 8 : (row_loads <= 32 * 16 ? 32 : 256);
-  const int64_t resident_groups = static_cast<int64_t>(cuda::sm_count()) * (2048 / p.tpr);
+  const int64_t groups_per_block = cuda::kThreads / p.tpr;
+  const int64_t resident_blocks = static_cast<int64_t>(cuda::sm_count()) * per_sm;
+  const int64_t resident_groups = resident_blocks * groups_per_block;
   int64_t splits = 1;
   if (B < resident_groups) {
-    const int64_t want = (resident_groups + B - 1) / std::max<int64_t>(B, 1);
+    // B * splits <= resident_groups: one more item than there are groups would double the time.
+    const int64_t want = std::max<int64_t>(1, resident_groups / std::max<int64_t>(B, 1));
     const int64_t most = std::max<int64_t>(1, row_loads / (4 * p.tpr));
     splits = std::min(want, most);
   }
@@ -154,12 +230,31 @@ Plan make_plan(const scalar_t* a, const scalar_t* g, int64_t B, int64_t d_in, in
   };
   p.chunk_in = chunk(d_in);
   p.chunk_out = chunk(d_out);
-  const int64_t groups_per_block = cuda::kThreads / p.tpr;
   const int64_t items = B * splits;
-  p.blocks = std::min<int64_t>((items + groups_per_block - 1) / groups_per_block,
-                               static_cast<int64_t>(cuda::sm_count()) * 8);
+  p.blocks = std::min<int64_t>((items + groups_per_block - 1) / groups_per_block, resident_blocks);
   p.blocks = std::max<int64_t>(p.blocks, 1);
+}
+
+// Vector width and group size for rows of d_in + d_out elements: a group gets >= 4 loads per
+// thread where possible (8 threads for short rows, a warp, or the whole block). Splits and grid
+// are sized for full occupancy here; fit_plan resizes them for the kernel actually launched.
+template <typename scalar_t>
+Plan make_plan(const scalar_t* a, const scalar_t* g, int64_t B, int64_t d_in, int64_t d_out) {
+  constexpr int kVec = cuda::VecWidth<scalar_t>::value;
+  Plan p{};
+  const bool vec_ok = cuda::aligned16(a) && cuda::aligned16(g) && d_in % kVec == 0 &&
+                      d_out % kVec == 0;
+  p.vec = vec_ok ? kVec : 1;
+  const int64_t row_loads = (d_in + d_out + p.vec - 1) / p.vec;
+  p.tpr = row_loads <= 8 * 8 ? 8 : (row_loads <= 32 * 16 ? 32 : 256);
+  size_plan(p, 2048 / cuda::kThreads, B, d_in, d_out);
   return p;
+}
+
+// Re-size p's splits and grid for the occupancy of `kernel` (the plan's vec and tpr are kept).
+template <typename Kernel>
+void fit_plan(Plan& p, Kernel kernel, int64_t B, int64_t d_in, int64_t d_out) {
+  size_plan(p, blocks_per_sm(kernel), B, d_in, d_out);
 }
 
 // One (sample, split) work item per group of TPR threads, grid-stride over items. Every group
@@ -195,8 +290,8 @@ __global__ void __launch_bounds__(256)
     const int64_t out_hi = valid ? min64(out_lo + chunk_out, d_out) : 0;
     const scalar_t* ar = a + row * d_in;
     const scalar_t* gr = g + row * d_out;
-    opmath_t sa = segment_sum_sq<scalar_t, V, TPR>(ar, in_lo, in_hi, lane);
-    opmath_t sg = segment_sum_sq<scalar_t, V, TPR>(gr, out_lo, out_hi, lane);
+    opmath_t sa, sg;
+    segment_sum_sq2<scalar_t, V, TPR>(ar, in_lo, in_hi, gr, out_lo, out_hi, lane, sa, sg);
     group_sum2<TPR>(sa, sg, smem);
     if (!valid) continue;
     if constexpr (M == Mode::kForward) {
@@ -212,9 +307,9 @@ __global__ void __launch_bounds__(256)
       }
     } else {
       const opmath_t two_w = opmath_t(2) * static_cast<opmath_t>(w[row]);
-      segment_scale<scalar_t, V, TPR>(ar, da + row * d_in, in_lo, in_hi, lane, two_w * sg);
-      segment_scale<scalar_t, V, TPR>(gr, dg + row * d_out, out_lo, out_hi, lane,
-                                      two_w * (sa + beta));
+      segment_scale2<scalar_t, V, TPR>(
+          ar, da + row * d_in, in_lo, in_hi, gr, dg + row * d_out, out_lo, out_hi, lane,
+          [&] { return std::pair<opmath_t, opmath_t>(two_w * sg, two_w * (sa + beta)); });
     }
   }
 }
@@ -259,20 +354,24 @@ __global__ void __launch_bounds__(256)
     if (item >= n_items) break;  // no warp- or block-wide operations below
     const int64_t row = item / S;
     const int64_t s = item % S;
-    opmath_t sa = 0, sg = 0;
-    for (int j = 0; j < n_sums; ++j) {
-      sa += sums[2 * (row * n_sums + j)];
-      sg += sums[2 * (row * n_sums + j) + 1];
-    }
-    const opmath_t two_w = opmath_t(2) * static_cast<opmath_t>(w[row]);
     const int64_t in_lo = min64(s * chunk_in, d_in);
     const int64_t in_hi = min64(in_lo + chunk_in, d_in);
     const int64_t out_lo = min64(s * chunk_out, d_out);
     const int64_t out_hi = min64(out_lo + chunk_out, d_out);
-    segment_scale<scalar_t, V, TPR>(a + row * d_in, da + row * d_in, in_lo, in_hi, lane,
-                                    two_w * sg);
-    segment_scale<scalar_t, V, TPR>(g + row * d_out, dg + row * d_out, out_lo, out_hi, lane,
-                                    two_w * (sa + (bias ? opmath_t(1) : opmath_t(0))));
+    // The row's sums and weight are read after the first packs of a and g are requested.
+    auto scales = [&] {
+      opmath_t sa = 0, sg = 0;
+      for (int j = 0; j < n_sums; ++j) {
+        sa += sums[2 * (row * n_sums + j)];
+        sg += sums[2 * (row * n_sums + j) + 1];
+      }
+      const opmath_t two_w = opmath_t(2) * static_cast<opmath_t>(w[row]);
+      return std::pair<opmath_t, opmath_t>(
+          two_w * sg, two_w * (sa + (bias ? opmath_t(1) : opmath_t(0))));
+    };
+    segment_scale2<scalar_t, V, TPR>(a + row * d_in, da + row * d_in, in_lo, in_hi,
+                                     g + row * d_out, dg + row * d_out, out_lo, out_hi, lane,
+                                     scales);
   }
 }
 
@@ -322,7 +421,11 @@ std::tuple<at::Tensor, at::Tensor> linear_grad_norms_sq_cuda(const at::Tensor& a
     const scalar_t* gp = g.const_data_ptr<scalar_t>();
     scalar_t* outp = out.mutable_data_ptr<scalar_t>();
     opmath_t* auxp = aux.mutable_data_ptr<opmath_t>();
-    const Plan p = make_plan(ap, gp, B, d_in, d_out);
+    Plan p = make_plan(ap, gp, B, d_in, d_out);
+    with_plan<scalar_t>(p, [&](auto v, auto t) {
+      fit_plan(p, row_norms_kernel<scalar_t, decltype(v)::value, decltype(t)::value,
+                                   Mode::kForward>, B, d_in, d_out);
+    });
     if (p.splits == 1) {
       with_plan<scalar_t>(p, [&](auto v, auto t) {
         row_norms_kernel<scalar_t, decltype(v)::value, decltype(t)::value, Mode::kForward>
@@ -380,6 +483,15 @@ std::tuple<at::Tensor, at::Tensor> linear_grad_norms_sq_backward_cuda(
     // Vector loads/stores need da/dg aligned too (fresh allocations always are).
     Plan p = make_plan(ap, gp, B, d_in, d_out);
     if (!(cuda::aligned16(dap) && cuda::aligned16(dgp))) p.vec = 1;
+    with_plan<scalar_t>(p, [&](auto v, auto t) {
+      constexpr int V = decltype(v)::value;
+      constexpr int TPR = decltype(t)::value;
+      if (has_aux) {
+        fit_plan(p, scale_rows_kernel<scalar_t, V, TPR>, B, d_in, d_out);
+      } else {
+        fit_plan(p, row_norms_kernel<scalar_t, V, TPR, Mode::kBackward>, B, d_in, d_out);
+      }
+    });
     if (has_aux) {  // the forward's row sums: one pass, read a and g, write da and dg
       const opmath_t* sums = aux.const_data_ptr<opmath_t>();
       with_plan<scalar_t>(p, [&](auto v, auto t) {
