@@ -69,6 +69,12 @@ def mlp_fn(params: dict, buffers: dict, x: torch.Tensor) -> tuple[torch.Tensor, 
     return h @ params["w2"] + params["b2"], buffers
 
 
+def dp_model_fn(params: dict, buffers: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The MLP plus a running mean of the inputs (a float buffer, like BatchNorm's)."""
+    out, _ = mlp_fn(params, {}, x)
+    return out, {"m": 0.9 * buffers["m"] + 0.1 * x.mean(0)}
+
+
 def mlp_params(n_in: int, hidden: int, n_out: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"w1": torch.randn(n_in, hidden, generator=g, dtype=F64) / math.sqrt(n_in),
@@ -87,6 +93,7 @@ def dp_problem() -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
 
 
 DP_KW = {"grad_accum_steps": 2, "max_grad_norm": 0.3}
+DP_BUFFERS = {"m": torch.zeros(4, dtype=F64)}
 
 
 def meta_problem() -> tuple[Any, list]:
@@ -144,7 +151,7 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         batches = dp_problem()
         opt = adam(1e-2)
         state, _ = load_checkpoint(os.path.join(root, "dp_init.pt"), optimizer=opt)
-        step = tdist.make_data_parallel_train_step(mlp_fn, F.mse_loss, opt, bucket_mb=1e-3,
+        step = tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt, bucket_mb=1e-3,
                                                    **DP_KW)
         losses = []
         for x, y in batches:
@@ -153,9 +160,20 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
             state, metrics = step(state, (x[sl], y[sl]))
             losses.append(metrics["loss"])
         out["dp"] = {"params": state.params, "loss": torch.stack(losses),
-                     "grad_norm": metrics["grad_norm"]}
+                     "grad_norm": metrics["grad_norm"], "buffers": state.buffers}
         tdist.save_checkpoint_once(os.path.join(root, "dp_final.pt"), state,
                                    extra={"steps": STEPS})
+
+        # eager dropout: each rank draws its own masks (seed folded with the rank)
+        def drop_fn(p: dict, b: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            return x @ p["w"], {"mask": F.dropout(torch.ones(64, dtype=F64), 0.5)}
+
+        dstate = init_train_state({"w": torch.zeros(4, 2, dtype=F64)},
+                                  {"mask": torch.ones(64, dtype=F64)}, opt, seed=5)
+        drop_step = tdist.make_data_parallel_train_step(drop_fn, F.mse_loss, opt,
+                                                        sync_buffers=False)
+        after, _ = drop_step(dstate, (batches[0][0][:8], batches[0][1][:8]))
+        out["dropout"] = {"mask": after.buffers["mask"], "seed": after.seed}
 
         # meta-learning: tasks of each meta-batch split over the ranks
         learner, metabatches = meta_problem()
@@ -232,7 +250,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
     root = tmp_path_factory.mktemp("dist")
     opt = adam(1e-2)
     save_checkpoint(root / "dp_init.pt",
-                    init_train_state(mlp_params(4, 8, 2, seed=1), {}, opt, seed=0))
+                    init_train_state(mlp_params(4, 8, 2, seed=1), DP_BUFFERS, opt, seed=0))
     ens, ebatches, _ = ens_problem()
     trained = _ens_reference(ens, ebatches)
     save_ensemble(root / "ens_w1.pt", trained, extra={"by": "one process"})
@@ -273,13 +291,20 @@ def test_data_parallel_equals_one_process(ranks):
     root, res = ranks
     batches = dp_problem()
     opt = adam(1e-2)
-    state = init_train_state(mlp_params(4, 8, 2, seed=1), {}, opt, seed=0)
-    step = make_train_step(mlp_fn, F.mse_loss, opt, **DP_KW)
+    state = init_train_state(mlp_params(4, 8, 2, seed=1), DP_BUFFERS, opt, seed=0)
+    step = make_train_step(dp_model_fn, F.mse_loss, opt, **DP_KW)
     losses = []
+    m = DP_BUFFERS["m"]
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(metrics["loss"])
+        # sync_buffers: the mean over ranks of what each rank's micro-batches (4 + 4) gave
+        x = batch[0]
+        m = torch.stack([0.9 * (0.9 * m + 0.1 * x[r:r + 4].mean(0)) + 0.1 * x[r + 4:r + 8].mean(0)
+                         for r in (0, 8)]).mean(0)
     _assert_replicated(res, "dp", "params")
+    _assert_replicated(res, "dp", "buffers")
+    torch.testing.assert_close(res[0]["dp"]["buffers"]["m"], m, **TOL)
     _assert_tree_close(res[0]["dp"]["params"], state.params)
     torch.testing.assert_close(res[0]["dp"]["loss"], torch.stack(losses), **TOL)
     torch.testing.assert_close(res[0]["dp"]["grad_norm"], metrics["grad_norm"], **TOL)
@@ -288,6 +313,13 @@ def test_data_parallel_equals_one_process(ranks):
     loaded, extra = load_checkpoint(root / "dp_final.pt", optimizer=opt)
     assert extra == {"steps": STEPS} and int(loaded.step) == STEPS
     _assert_tree_close(loaded.params, res[0]["dp"]["params"], rtol=0, atol=0)
+
+
+def test_data_parallel_dropout_differs_per_rank(ranks):
+    _, res = ranks
+    a, b = res[0]["dropout"], res[1]["dropout"]
+    assert not torch.equal(a["mask"], b["mask"])
+    assert int(a["seed"]) == int(b["seed"]) == 5  # the state's seed is left as it was
 
 
 def test_meta_equals_one_process(ranks):

@@ -10,12 +10,14 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
+from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree, make_grad_reducer
 from torchfn.functional._train_step import TrainState, make_train_step
 
 __all__ = ["make_data_parallel_train_step"]
 
 Batch = tuple[Any, Any]
+_RANK_SALT = 1_000_003
 
 
 def make_data_parallel_train_step(
@@ -44,9 +46,13 @@ def make_data_parallel_train_step(
     - ``sync_buffers`` (default) averages floating-point buffers (BatchNorm running stats)
       over the ranks after the step, so replicas never drift; with batch statistics this is
       not the single-process value over the global batch (as with DDP without SyncBatchNorm).
+    - Randomness (dropout): an eager step seeds each rank from ``(seed + rank * 1000003,
+      step)``, so ranks draw different masks for their different examples (rank 0 draws what
+      a single process would). A compiled step cannot seed itself: wrap it in
+      ``with step_rng(rank_state):`` with ``rank_state = state._replace(seed=state.seed +
+      rank * 1000003)``.
     - Compiles: ``torch.compile(step, fullgraph=True)`` traces the collectives (functional
-      collectives) with the step; as for the single-process step, wrap a compiled call in
-      ``with step_rng(state):`` when the model draws random numbers.
+      collectives) with the step, in one graph.
 
     Example::
 
@@ -59,11 +65,16 @@ def make_data_parallel_train_step(
                         "step sets grad_transform itself (the all-reduce); compose your own "
                         "transform with make_grad_reducer() and call make_train_step instead")
     reducer = make_grad_reducer(group=group, bucket_mb=bucket_mb)
+    rank, _ = world_info(group, "make_data_parallel_train_step")
     inner = make_train_step(model_fn, loss_fn, optimizer, grad_transform=reducer,
                             **train_step_kwargs)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
-        new_state, metrics = inner(state, batch)
+        if rank and not torch.compiler.is_compiling():  # distinct dropout masks per rank
+            new_state, metrics = inner(state._replace(seed=state.seed + _RANK_SALT * rank), batch)
+            new_state = new_state._replace(seed=state.seed)
+        else:
+            new_state, metrics = inner(state, batch)
         small = {"loss": metrics["loss"]}
         if sync_buffers:
             small.update({f"buffer/{k}": v for k, v in new_state.buffers.items()
