@@ -2,10 +2,12 @@
 
 Side by side at N = 32 (``--members``): a loop of N models with ``torch.optim.Adam``, torchfn
 eager, torchfn compiled (``torch.compile(fullgraph=True)``), torchfn compiled with CUDA graphs
-(``mode="reduce-overhead"``, CUDA only) and JAX ``jit(vmap)`` + optax (skipped with a message if
-JAX is not importable). Then the scaling curve of step time vs N = 1, 2, 4, ..., 256 for torchfn
-compiled (a static compile per N: ``vmap`` needs a concrete N), torchfn eager, JAX, and the loop
-for N <= 64, saved as a plot and in the JSON.
+(``mode="reduce-overhead"``, CUDA only), JAX ``jit(vmap)`` + optax (skipped with a message if
+JAX is not importable) and, to show what Dynamo's guards cost per call, torchfn compiled with
+only its tensor guards kept (``keep_tensor_guards_unsafe``: not for real use). Then the
+scaling curve of step time vs N = 1, 2, 4, ..., 256 for torchfn compiled (a static compile per
+N: ``vmap`` needs a concrete N), torchfn eager, JAX, and the loop for N <= 64, saved as a plot
+and in the JSON.
 
 Fairness: TF32 is OFF on both sides (torch: ``allow_tf32=False`` for matmul and cuDNN,
 ``float32_matmul_precision='highest'``; JAX: ``jax_default_matmul_precision='highest'``); the
@@ -130,10 +132,19 @@ class TorchfnStep:
             step = torch.compile(step, fullgraph=True)
         elif mode == "reduce-overhead":
             step = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+        elif mode == "tensor-guards":
+            # UNSAFE outside a benchmark: keeps only the guards on tensors, so a changed
+            # Python attribute of the model would not trigger a recompile; shows what the
+            # ~1,300 guards on the model/optimizer closures cost per call
+            step = torch.compile(step, fullgraph=True, options={
+                "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe})
         self.step = step
 
     def bench(self, n: int, sizes: list[int], batch: int, device: torch.device, reps: int
               ) -> dict[str, Any]:
+        if self.mode != "eager":
+            # a fresh compile: Dynamo would otherwise reuse another variant's cached graph
+            torch._dynamo.reset()
         ens = Ensemble.from_seeds(make_net(sizes), seeds=range(n))
         params = {k: v.to(device) for k, v in ens.params.items()}
         ens = Ensemble(self.model_fn, params, {})
@@ -347,6 +358,11 @@ def main() -> None:
     if jax_step is not None:
         side["jax_vmap_optax"] = guarded("jax jit(vmap)+optax", budget,
                                          lambda: jax_step.bench(n, sizes, batch, reps))
+    if hasattr(torch.compiler, "keep_tensor_guards_unsafe"):
+        tg = TorchfnStep(sizes, device, "tensor-guards", n)
+        side["torchfn_compiled_tensor_guards_only"] = guarded(
+            "torchfn compiled, tensor guards only (unsafe)", budget,
+            lambda: tg.bench(n, sizes, batch, device, reps))
     results["side_by_side"] = side
 
     print("== scaling (torchfn compiled: a fresh static compile per N; N=" + str(n)
@@ -373,7 +389,6 @@ def main() -> None:
             scaling["torchfn_compiled"][k] = side["torchfn_compiled"]
             continue
         print(f" N={k}", flush=True)
-        torch._dynamo.reset()
         fresh = TorchfnStep(sizes, device, "compiled", k)
         scaling["torchfn_compiled"][k] = guarded(
             "torchfn compiled", budget, lambda k=k, f=fresh: f.bench(k, sizes, batch, device,
@@ -384,10 +399,10 @@ def main() -> None:
 
     loop = side.get("torch_optim_loop")
     jx = side.get("jax_vmap_optax")
-    print(f"\n{'variant (N=' + str(n) + ')':<32}{'median ms/step':>16}{'vs loop':>10}"
+    print(f"\n{'variant (N=' + str(n) + ')':<40}{'median ms/step':>16}{'vs loop':>10}"
           f"{'vs JAX':>10}{'first call s':>14}")
     for name, v in side.items():
-        row = f"{name:<32}{ms(v):>16}"
+        row = f"{name:<40}{ms(v):>16}"
         if isinstance(v, dict):
             row += (f"{loop['median'] / v['median']:>9.1f}x" if isinstance(loop, dict)
                     else f"{'-':>10}")
