@@ -242,6 +242,18 @@ def v_psg_torchfn(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Cal
     return lambda: fn(params, x, y)
 
 
+def v_psg_ghost(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Callable[[], Any]:
+    """Materialised per-sample gradients from the ghost form: one forward, one backward, then
+    per layer ``g_i^T a_i`` (Linear) or ``g_i^T unfold(x_i)`` (Conv) as batched matmuls."""
+    ghost, params, buffers = make_ghost_model(model)
+
+    def fn(p: dict[str, Tensor], b: dict[str, Tensor], xx: Tensor, yy: Tensor) -> Any:
+        return ghost.per_sample(p, b, xx, yy, xent_none).grads.materialize()
+
+    fn = torch.compile(fn, fullgraph=True) if compiled else fn
+    return lambda: fn(params, buffers, x, y)
+
+
 def jax_cnn(model: CNN, x: Tensor, y: Tensor, tf32: bool) -> tuple[Callable[[], Any], Any]:
     """``jit(vmap(grad))`` of the CNN in jax.lax with the torch weights; returns (step, psg)."""
     import jax
@@ -249,12 +261,16 @@ def jax_cnn(model: CNN, x: Tensor, y: Tensor, tf32: bool) -> tuple[Callable[[], 
     from jax import lax
 
     jax.config.update("jax_default_matmul_precision", "tensorfloat32" if tf32 else "highest")
+    # explicit per-op precision too: the config flag alone left cuDNN convs in TF32 on the H100
+    # (per-sample gradients then differed from torch's fp32 ones by 2.5e-2 relative)
+    prec = lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST
     p = {k: jnp.asarray(v.detach().cpu().numpy()) for k, v in model.state_dict().items()}
     xs, ys = jnp.asarray(x.cpu().numpy()), jnp.asarray(y.cpu().numpy())
 
     def conv(h: Any, w: Any, b: Any) -> Any:
         out = lax.conv_general_dilated(h, w, (1, 1), ((1, 1), (1, 1)),
-                                       dimension_numbers=("NCHW", "OIHW", "NCHW"))
+                                       dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                       precision=prec)
         return out + b[None, :, None, None]
 
     def pool(h: Any) -> Any:
@@ -263,12 +279,19 @@ def jax_cnn(model: CNN, x: Tensor, y: Tensor, tf32: bool) -> tuple[Callable[[], 
     def loss(p: Any, xi: Any, yi: Any) -> Any:
         h = pool(jax.nn.relu(conv(xi[None], p["conv1.weight"], p["conv1.bias"])))
         h = pool(jax.nn.relu(conv(h, p["conv2.weight"], p["conv2.bias"])))
-        h = jax.nn.relu(h.reshape(1, -1) @ p["fc1.weight"].T + p["fc1.bias"])
-        logits = (h @ p["fc2.weight"].T + p["fc2.bias"])[0]
+        h = jax.nn.relu(jnp.matmul(h.reshape(1, -1), p["fc1.weight"].T, precision=prec)
+                        + p["fc1.bias"])
+        logits = (jnp.matmul(h, p["fc2.weight"].T, precision=prec) + p["fc2.bias"])[0]
         return -jax.nn.log_softmax(logits)[yi]
 
     fn = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))
     return (lambda: jax.block_until_ready(fn(p, xs, ys))), fn(p, xs, ys)
+
+
+def max_rel_diff(got: dict[str, Any], ref: dict[str, Tensor]) -> float:
+    """max over parameters of max|got - ref| / max|ref| (per-sample gradient dicts)."""
+    return max(float((got[k].cpu() - ref[k].cpu()).abs().max()
+                     / ref[k].abs().max().clamp_min(1e-30)) for k in ref)
 
 
 # --- timing -------------------------------------------------------------------------------
@@ -335,6 +358,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not args.no_compile:
                 variants.append(("psg-torchfn-compiled",
                                  lambda m, x, y: v_psg_torchfn(m, x, y, True)))
+            variants.append(("psg-ghost-eager", lambda m, x, y: v_psg_ghost(m, x, y, False)))
+            if not args.no_compile:
+                variants.append(("psg-ghost-compiled",
+                                 lambda m, x, y: v_psg_ghost(m, x, y, True)))
             variants.append(("psg-jax", None))  # type: ignore[arg-type]
         for variant, make in variants:
             model, x, y = build(name, cfg, device)
@@ -343,12 +370,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if variant == "psg-jax":
                     step, jax_psg = jax_cnn(model, x, y, args.tf32 == "on")
                     ref = v_psg_torchfn(model, x, y, False)()
-                    err = max(float((torch.as_tensor(jax_psg[k].__array__()) - ref[k].cpu())
-                                    .abs().max() / ref[k].abs().max().clamp_min(1e-30))
-                              for k in ref)
-                    row["max_rel_diff_vs_torchfn"] = err
+                    row["max_rel_diff_vs_torchfn"] = max_rel_diff(
+                        {k: torch.as_tensor(v.__array__()) for k, v in jax_psg.items()}, ref)
                 else:
                     step = make(model, x, y)
+                    if variant.startswith("psg-ghost"):
+                        row["max_rel_diff_vs_torchfn"] = max_rel_diff(
+                            step(), v_psg_torchfn(model, x, y, False)())
                 row.update(measure(step, device, args.warmup, args.repeats))
             except Exception as e:  # a missing package or an unsupported layer: record it
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -400,7 +428,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for a, b in [("dpsgd-compiled", "nonprivate-compiled"), ("dpsgd-eager", "nonprivate-eager"),
                      ("dpsgd-compiled", "torch-eager"), ("dpsgd-compiled", "opacus-ghost"),
                      ("dpsgd-compiled", "opacus-hooks"), ("dpsgd-eager", "opacus-ghost"),
-                     ("psg-torchfn-compiled", "psg-jax"), ("psg-torchfn-eager", "psg-jax")]:
+                     ("psg-torchfn-compiled", "psg-jax"), ("psg-torchfn-eager", "psg-jax"),
+                     ("psg-ghost-compiled", "psg-jax")]:
             ta, tb = ms(model, a), ms(model, b)
             if ta is not None and tb is not None and not math.isnan(ta):
                 out[f"{model}: {a} / {b}"] = round(ta / tb, 3)

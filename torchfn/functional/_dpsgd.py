@@ -281,10 +281,20 @@ class DPTrainStep:
                           clipped=a.clipped + b.clipped, norm_sum=a.norm_sum + b.norm_sum)
 
     def compile(self, **kwargs: Any) -> DPTrainStep:
-        """Return a copy whose step, clipped_sum and apply are ``torch.compile(fullgraph=True)``."""
+        """Return a copy whose step, clipped_sum and apply are ``torch.compile(fullgraph=True)``.
+
+        ``kwargs`` go to ``torch.compile``. Unless ``options`` or ``mode`` is given, Inductor's
+        buffer reuse is switched off (``options={"allow_buffer_reuse": False}``): on CUDA
+        (torch 2.11, H100) the fused step of a 4-layer transformer otherwise failed at launch with "CUDA
+        driver error: invalid argument" -- Inductor handed the one-element kernel that advances
+        the noise key a reused buffer whose pointer Triton cannot access. Without reuse the
+        step runs, equals eager, and was no slower (CNN 1.68 vs 2.28 ms; peak memory lower).
+        """
         new = DPTrainStep.__new__(DPTrainStep)
         new.__dict__.update(self.__dict__)
         kwargs.setdefault("fullgraph", True)
+        if "mode" not in kwargs:  # torch.compile takes mode or options, not both
+            kwargs.setdefault("options", {"allow_buffer_reuse": False})
         new._call_fn = torch.compile(self._step, **kwargs)
         new._sum_fn = torch.compile(self._clipped_sum, **kwargs)
         new._apply_fn = torch.compile(self._apply, **kwargs)
