@@ -303,6 +303,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    else:  # share the cores fairly: W processes x (cores / W) threads
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world > 1:
         kw = {"device_id": device} if use_cuda else {}
@@ -368,14 +370,27 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"{'workload':<15} {'unit':<18} {'1 proc':>12} {'2 procs':>12} {'efficiency':>10}")
+    lines = [f"# torchfn.distributed scaling: {report['device']} ({report['backend']}, torch "
+             f"{report['torch']}{', --small' if args.small else ''})", "",
+             "Weak scaling (each process keeps the 1-process work); efficiency = "
+             "throughput(2) / (2 x throughput(1)).", "",
+             "| workload | unit | 1 process | 2 processes | efficiency | step ms (1 / 2) |",
+             "|---|---|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        print(f"{name:<15} {r['one']['unit']:<18} {r['one']['throughput']:>12.1f} "
-              f"{r['two']['throughput']:>12.1f} {r['scaling_efficiency']:>10.3f}")
+        lines.append(f"| {name} | {r['one']['unit']} | {r['one']['throughput']:.1f} | "
+                     f"{r['two']['throughput']:.1f} | {r['scaling_efficiency']:.3f} | "
+                     f"{r['one']['step_ms']:.2f} / {r['two']['step_ms']:.2f} |")
+    lines += ["", "| float64 check (2 processes vs 1, same global batch) | relative error | "
+              "graphs | ok |", "|---|---:|---:|---|"]
     for name, c in checks.items():
-        print(f"check {name:<24} rel_err {c['rel_err']:.2e} "
-              f"{'ok' if c['ok'] else 'FAILED'}")
-    print(f"wrote {args.out} ({report['wall_s']:.0f}s)")
+        lines.append(f"| {name} | {c['rel_err']:.2e} | {c.get('graphs') or '-'} | "
+                     f"{'yes' if c['ok'] else 'FAILED'} |")
+    lines += ["", f"NCCL environment: {report['env'] or 'no NCCL_* variables set'}"]
+    md = os.path.splitext(args.out)[0] + ".md"
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {args.out} and {md} ({report['wall_s']:.0f}s)")
     if not all(c["ok"] for c in checks.values()):
         sys.exit(1)
 

@@ -32,8 +32,8 @@ def save_checkpoint_once(path: str | os.PathLike[str], state: TrainState, *,
 
     Example::
 
-        >>> save_checkpoint_once("ckpt.pt", state, extra={"data": dataset.state_dict()})
-        >>> state, extra = load_checkpoint("ckpt.pt", map_location=info.device, optimizer=opt)
+        save_checkpoint_once("ckpt.pt", state, extra={"data": dataset.state_dict()})
+        state, extra = load_checkpoint("ckpt.pt", map_location=info.device, optimizer=opt)
     """
     rank, _ = world_info(group, "save_checkpoint_once")
     if rank == 0:

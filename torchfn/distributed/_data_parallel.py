@@ -56,9 +56,9 @@ def make_data_parallel_train_step(
 
     Example::
 
-        >>> info = init_from_env()                       # torchrun --nproc_per_node 2 ...
-        >>> step = make_data_parallel_train_step(model_fn, loss_fn, opt, max_grad_norm=1.0)
-        >>> state, metrics = step(state, (x_local, y_local))
+        info = init_from_env()                       # torchrun --nproc_per_node 2 ...
+        step = make_data_parallel_train_step(model_fn, loss_fn, opt, max_grad_norm=1.0)
+        state, metrics = step(state, (x_local, y_local))
     """
     if "grad_transform" in train_step_kwargs:
         raise TypeError("make_data_parallel_train_step(grad_transform=...): the data-parallel "

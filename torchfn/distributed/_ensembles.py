@@ -91,7 +91,7 @@ def gather_members(tree: T, *, group: ProcessGroup | None = None) -> T:
 
     Example::
 
-        >>> full = gather_members(local_state)        # params (N/W, ...) -> (N, ...)
+        full = gather_members(local_state)        # params (N/W, ...) -> (N, ...)
     """
     world_info(group, "gather_members")
     leaves, spec = optree.tree_flatten(tree)
@@ -117,8 +117,8 @@ def sharded_ensemble_apply(
 
     Example::
 
-        >>> logits = sharded_ensemble_apply(ens.model_fn, state.params, state.buffers, x)
-        >>> logits.shape          # (N, B, classes) on every rank
+        logits = sharded_ensemble_apply(ens.model_fn, state.params, state.buffers, x)
+        logits.shape          # (N, B, classes) on every rank
     """
     outputs, _ = ensemble_apply(model_fn, params, buffers, *args, **kwargs)
     return gather_members(outputs, group=group)
@@ -157,8 +157,8 @@ def load_ensemble_shard(path: str | os.PathLike[str], *, rank: int, world_size: 
 
     Example::
 
-        >>> state, extra = load_ensemble_shard("ens.pt", rank=rank, world_size=world,
-        ...                                    optimizer=stacked_adam(lr=lr[my_members]))
+        state, extra = load_ensemble_shard("ens.pt", rank=rank, world_size=world,
+                                           optimizer=stacked_adam(lr=lr[my_members]))
     """
     state, extra = load_ensemble(path, map_location=map_location)
     n = n_members(state.params, f"load_ensemble_shard({os.fspath(path)!r})")

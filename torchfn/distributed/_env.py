@@ -41,7 +41,7 @@ def world_info(group: ProcessGroup | None = None, where: str = "world_info()") -
 
     Example::
 
-        >>> rank, world = world_info()  # inside a torchrun-launched script
+        rank, world = world_info()  # inside a torchrun-launched script
     """
     _check_init(where)
     return dist.get_rank(group), dist.get_world_size(group)
@@ -61,9 +61,9 @@ def init_from_env(backend: str | None = None, *,
 
     Example::
 
-        >>> info = init_from_env()          # torchrun --nproc_per_node 2 train.py
-        >>> info.rank, info.world_size, info.device
-        (0, 2, device(type='cuda', index=0))
+        info = init_from_env()          # torchrun --nproc_per_node 2 train.py
+        info.rank, info.world_size, info.device
+        # (0, 2, device(type='cuda', index=0))
     """
     cuda = torch.cuda.is_available()
     if backend is None:

@@ -65,8 +65,8 @@ def make_distributed_meta_train_step(
 
     Example::
 
-        >>> step = make_distributed_meta_train_step(maml(model_fn, F.mse_loss), adam(1e-3))
-        >>> state, metrics = step(state, shard_tasks(tasks, rank=rank, world_size=world))
+        step = make_distributed_meta_train_step(maml(model_fn, F.mse_loss), adam(1e-3))
+        state, metrics = step(state, shard_tasks(tasks, rank=rank, world_size=world))
     """
     if not isinstance(learner, MetaLearner):
         raise TypeError(f"make_distributed_meta_train_step(learner, ...): expected a "

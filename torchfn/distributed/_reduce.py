@@ -6,8 +6,8 @@ by dtype and device (a bucket holds one dtype on one device), and every bucket's
 tensors that wait for their collective only when first used, so bucket ``k``'s communication
 runs while bucket ``k+1`` is packed and sent. The same functions trace under
 ``torch.compile(fullgraph=True)`` (Dynamo turns them into ``_c10d_functional`` ops and Inductor
-places the waits as late as it can); c10d's in-place ``dist.all_reduce`` compiles as well on
-torch 2.13, but its ``async_op`` work handles do not, which is why the functional ones are used.
+places the waits as late as it can). c10d's in-place ``dist.all_reduce`` compiles as well on
+torch 2.13 (checked), but it mutates its argument; the functional ones keep the step pure.
 
 A functional step computes all gradients at once (``torch.func.grad``), so unlike DDP's
 autograd hooks the reduction cannot start during the backward; the overlap is between buckets
@@ -68,9 +68,9 @@ def all_reduce_tree(tree: Mapping[str, Tensor], *, op: str = "mean",
 
     Example::
 
-        >>> grads = {"w": torch.ones(3, 2) * (rank + 1)}   # 2 ranks
-        >>> all_reduce_tree(grads)["w"][0, 0]
-        tensor(1.5000)
+        grads = {"w": torch.ones(3, 2) * (rank + 1)}   # 2 ranks
+        all_reduce_tree(grads)["w"][0, 0]
+        # tensor(1.5000)
     """
     if op not in ("mean", "sum"):
         raise ValueError(f"all_reduce_tree(op=...): expected 'mean' or 'sum', got {op!r}")
@@ -108,7 +108,7 @@ def make_grad_reducer(*, group: ProcessGroup | None = None,
 
     Example::
 
-        >>> step = make_train_step(model_fn, loss_fn, opt, grad_transform=make_grad_reducer())
+        step = make_train_step(model_fn, loss_fn, opt, grad_transform=make_grad_reducer())
     """
     world_info(group, "make_grad_reducer")
 
@@ -128,8 +128,8 @@ def all_gather_tree(tree: Mapping[str, Tensor], *,
 
     Example::
 
-        >>> all_gather_tree({"w": torch.full((2, 3), float(rank))})["w"][:, 0]   # 2 ranks
-        tensor([0., 0., 1., 1.])
+        all_gather_tree({"w": torch.full((2, 3), float(rank))})["w"][:, 0]   # 2 ranks
+        # tensor([0., 0., 1., 1.])
     """
     world_info(group, "all_gather_tree")
     pg = _group(group)
