@@ -3,8 +3,9 @@
 // 2-D inputs are bandwidth-bound and get fused kernels: a group of TPR threads (8 threads, a warp
 // or the whole block, by row length) owns one (sample, split) work item, reads its segment of a_i
 // and g_i once with 16-byte loads, and reduces both squared norms together in opmath (float for
-// half/bfloat16). a_i and g_i are read side by side, several loads in flight per thread before
-// any is used (kBatch, kScaleBatch), and each grid is one wave of the blocks that fit on the GPU
+// half/bfloat16). Each thread keeps several 16-byte loads in flight before using any (the
+// reduction reads a_i and g_i side by side, kBatch packs of each; the rescaling walks them as
+// one sequence, kScaleBatch packs), and each grid is one wave of the blocks that fit on the GPU
 // at the kernel's register use (cudaOccupancyMaxActiveBlocksPerMultiprocessor), the kernels
 // striding over the items. Rows are split across several groups (S > 1) only when the batch is
 // too small to fill the GPU; then per-split partial sums go to a small workspace and a second
@@ -41,10 +42,8 @@ __host__ __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return
 // Packs a thread loads from each tensor before using any of them (16 bytes each with V > 1):
 // with a and g read side by side, 2 * kBatch loads are in flight per thread.
 constexpr int kBatch = 4;
-// The same for the rescaling pass (loads, then stores): 2 packs of each of a and g, which keeps
-// the kernel under 64 registers (4 blocks per multiprocessor) for every dtype; with kBatch
-// packs, bfloat16 took ~100 registers (2 blocks).
-constexpr int kScaleBatch = 2;
+// The same for the rescaling pass (loads, then stores), over a and g as one sequence.
+constexpr int kScaleBatch = 4;
 
 // This thread's share (of a group of TPR threads) of the sums of squares of a[a_lo, a_hi) and
 // g[g_lo, g_hi), read side by side: each step loads kBatch packs of each (loads past a segment's
@@ -95,10 +94,11 @@ __device__ __forceinline__ void segment_sum_sq2(const scalar_t* a, int64_t a_lo,
 }
 
 // da[a_lo, a_hi) = a[a_lo, a_hi) * scale_a and dg[g_lo, g_hi) = g[g_lo, g_hi) * scale_g, this
-// thread's share of the group, read side by side: each step loads kScaleBatch packs of a and
-// of g before storing any. `scales()` returns {scale_a, scale_g}; it is called once, after the
-// first step's loads are issued, so that the loads it makes (the row's sums, its weight)
-// overlap them.
+// thread's share of the group. The two segments are walked as one sequence of packs (a's, then
+// g's), so that each step loads kScaleBatch packs before storing any, up to the end of both
+// (a and g may differ much in length). `scales()` returns {scale_a, scale_g}; it is called once,
+// after the first step's loads are issued, so that the loads it makes (the row's sums, its
+// weight) overlap them.
 template <typename scalar_t, int V, int TPR, typename Scales>
 __device__ __forceinline__ void segment_scale2(const scalar_t* a, scalar_t* da, int64_t a_lo,
                                                int64_t a_hi, const scalar_t* g, scalar_t* dg,
@@ -110,21 +110,21 @@ __device__ __forceinline__ void segment_scale2(const scalar_t* a, scalar_t* da, 
   const P* pg = reinterpret_cast<const P*>(g + g_lo);
   P* pda = reinterpret_cast<P*>(da + a_lo);
   P* pdg = reinterpret_cast<P*>(dg + g_lo);
-  // Like segment_sum_sq2: the pointers advance by the step (constant offsets within it), and
-  // ra, rg count the packs left from the step's start.
-  int64_t ra = (a_hi - a_lo) / V - lane, rg = (g_hi - g_lo) / V - lane;
-  if (ra <= 0 && rg <= 0) return;
-  pa += lane;
-  pg += lane;
-  pda += lane;
-  pdg += lane;
+  const int64_t na = (a_hi - a_lo) / V;
+  const int64_t n = na + (g_hi - g_lo) / V;  // packs [0, na) are a's, [na, n) g's
+  int64_t k = lane;
+  if (k >= n) return;
   constexpr int64_t kStep = static_cast<int64_t>(kScaleBatch) * TPR;
-  P va[kScaleBatch], vg[kScaleBatch];
+  P v[kScaleBatch];
   auto load = [&] {
 #pragma unroll
     for (int u = 0; u < kScaleBatch; ++u) {
-      if (u * TPR < ra) va[u] = pa[u * TPR];
-      if (u * TPR < rg) vg[u] = pg[u * TPR];
+      const int64_t i = k + u * TPR;
+      if (i < na) {
+        v[u] = pa[i];
+      } else if (i < n) {
+        v[u] = pg[i - na];
+      }
     }
   };
   load();
@@ -133,30 +133,24 @@ __device__ __forceinline__ void segment_scale2(const scalar_t* a, scalar_t* da, 
   while (true) {
 #pragma unroll
     for (int u = 0; u < kScaleBatch; ++u) {
-      if (u * TPR < ra) {
+      const int64_t i = k + u * TPR;
+      if (i < n) {
+        const bool in_a = i < na;
+        const opmath_t scale = in_a ? scale_a : scale_g;
         P o;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          o.v[j] = static_cast<scalar_t>(static_cast<opmath_t>(va[u].v[j]) * scale_a);
+          o.v[j] = static_cast<scalar_t>(static_cast<opmath_t>(v[u].v[j]) * scale);
         }
-        pda[u * TPR] = o;
-      }
-      if (u * TPR < rg) {
-        P o;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          o.v[j] = static_cast<scalar_t>(static_cast<opmath_t>(vg[u].v[j]) * scale_g);
+        if (in_a) {
+          pda[i] = o;
+        } else {
+          pdg[i - na] = o;
         }
-        pdg[u * TPR] = o;
       }
     }
-    ra -= kStep;
-    rg -= kStep;
-    if (ra <= 0 && rg <= 0) break;
-    pa += kStep;
-    pg += kStep;
-    pda += kStep;
-    pdg += kStep;
+    k += kStep;
+    if (k >= n) break;
     load();
   }
 }
