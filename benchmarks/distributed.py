@@ -129,6 +129,14 @@ def _bench(world: int, rank: int, device: torch.device, sz: dict[str, Any]) -> d
     out["data_parallel"] = {"unit": "examples/s", "throughput": world * b / sec,
                             "step_ms": 1e3 * sec, "local_batch": b, "params": n_params,
                             "grad_MB": 4 * n_params / 2**20}
+    if distributed:  # bucket size: one tensor per bucket ... everything in one bucket
+        sweep = {}
+        for mb in (1.0, 4.0, 25.0, 1e6):
+            s_mb = tdist.make_data_parallel_train_step(model_fn, F.cross_entropy, opt,
+                                                       bucket_mb=mb)
+            sweep[f"{mb:g}"] = 1e3 * _time(lambda s, f=s_mb: f(s, (x, y))[0], state, steps,
+                                           warmup, device, distributed)
+        out["data_parallel"]["step_ms_by_bucket_mb"] = sweep
 
     # meta
     torch.manual_seed(0)
@@ -303,8 +311,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    else:  # share the cores fairly: W processes x (cores / W) threads
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:  # one thread per process: the CPU analogue of one GPU per process
+        torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world > 1:
         kw = {"device_id": device} if use_cuda else {}
@@ -380,6 +388,10 @@ def main() -> None:
         lines.append(f"| {name} | {r['one']['unit']} | {r['one']['throughput']:.1f} | "
                      f"{r['two']['throughput']:.1f} | {r['scaling_efficiency']:.3f} | "
                      f"{r['one']['step_ms']:.2f} / {r['two']['step_ms']:.2f} |")
+    sweep = rows["data_parallel"]["two"].get("step_ms_by_bucket_mb", {})
+    if sweep:
+        lines += ["", "Data-parallel step (2 processes), ms by bucket size (MB): "
+                  + ", ".join(f"{k}: {v:.2f}" for k, v in sweep.items())]
     lines += ["", "| float64 check (2 processes vs 1, same global batch) | relative error | "
               "graphs | ok |", "|---|---:|---:|---|"]
     for name, c in checks.items():
