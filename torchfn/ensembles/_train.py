@@ -44,8 +44,10 @@ def init_ensemble_state(ensemble: Ensemble, optimizer: GradientTransformation, *
     """Return the initial stacked :class:`TrainState` of ``ensemble`` for ``optimizer``.
 
     ``optimizer`` works on stacked ``(N, ...)`` leaves: :func:`torchfn.ops.stacked_adam` /
-    :func:`torchfn.ops.stacked_sgd` (per-member ``(N,)`` lr and weight decay), an elementwise
-    torchopt transformation with shared hyperparameters, or :func:`per_member_optimizer`.
+    :func:`torchfn.ops.stacked_sgd` (per-member ``(N,)`` lr and weight decay),
+    :func:`per_member_adam` / :func:`per_member_sgd` (also per-member betas, eps, momentum,
+    dampening), an elementwise torchopt transformation with shared hyperparameters, or
+    :func:`per_member_optimizer`.
     ``seed`` seeds the step randomness (dropout), see :func:`make_ensemble_train_step`.
 
     Example:
