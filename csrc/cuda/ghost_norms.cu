@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <utility>
 #include <type_traits>
 
 #include "../common.h"
@@ -93,10 +92,16 @@ __device__ __forceinline__ void segment_sum_sq2(const scalar_t* a, int64_t a_lo,
   sg = (acc_g[0] + acc_g[1]) + (acc_g[2] + acc_g[3]);
 }
 
+// The two factors of a rescaling pass: da = a * a_scale, dg = g * g_scale.
+template <typename T>
+struct ScalePair {
+  T a_scale, g_scale;
+};
+
 // da[a_lo, a_hi) = a[a_lo, a_hi) * scale_a and dg[g_lo, g_hi) = g[g_lo, g_hi) * scale_g, this
 // thread's share of the group. The two segments are walked as one sequence of packs (a's, then
 // g's), so that each step loads kScaleBatch packs before storing any, up to the end of both
-// (a and g may differ much in length). `scales()` returns {scale_a, scale_g}; it is called once,
+// (a and g may differ much in length). `scales()` returns a ScalePair; it is called once,
 // after the first step's loads are issued, so that the loads it makes (the row's sums, its
 // weight) overlap them.
 template <typename scalar_t, int V, int TPR, typename Scales>
@@ -128,8 +133,8 @@ __device__ __forceinline__ void segment_scale2(const scalar_t* a, scalar_t* da, 
     }
   };
   load();
-  const auto sc = scales();
-  const opmath_t scale_a = sc.first, scale_g = sc.second;
+  const ScalePair<opmath_t> sc = scales();
+  const opmath_t scale_a = sc.a_scale, scale_g = sc.g_scale;
   while (true) {
 #pragma unroll
     for (int u = 0; u < kScaleBatch; ++u) {
@@ -303,7 +308,7 @@ __global__ void __launch_bounds__(256)
       const opmath_t two_w = opmath_t(2) * static_cast<opmath_t>(w[row]);
       segment_scale2<scalar_t, V, TPR>(
           ar, da + row * d_in, in_lo, in_hi, gr, dg + row * d_out, out_lo, out_hi, lane,
-          [&] { return std::pair<opmath_t, opmath_t>(two_w * sg, two_w * (sa + beta)); });
+          [&] { return ScalePair<opmath_t>{two_w * sg, two_w * (sa + beta)}; });
     }
   }
 }
@@ -360,8 +365,7 @@ __global__ void __launch_bounds__(256)
         sg += sums[2 * (row * n_sums + j) + 1];
       }
       const opmath_t two_w = opmath_t(2) * static_cast<opmath_t>(w[row]);
-      return std::pair<opmath_t, opmath_t>(
-          two_w * sg, two_w * (sa + (bias ? opmath_t(1) : opmath_t(0))));
+      return ScalePair<opmath_t>{two_w * sg, two_w * (sa + (bias ? opmath_t(1) : opmath_t(0)))};
     };
     segment_scale2<scalar_t, V, TPR>(a + row * d_in, da + row * d_in, in_lo, in_hi,
                                      g + row * d_out, dg + row * d_out, out_lo, out_hi, lane,
