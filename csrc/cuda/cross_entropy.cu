@@ -306,8 +306,8 @@ struct RowParams {
 // kThreads threads per row, kRows rows per block (kThreads * kRows threads), kVec elements
 // per load; kPeel: rows are peeled (fold_row_peeled / map_row_peeled), else every row is read
 // from j = tid * kVec in steps of kThreads * kVec (kVec == 1, or C a multiple of kVec and the
-// pointers aligned). Branches below depend only on the row, so a row's threads stay converged; with
-// kRows > 1 (kThreads == 32) no __syncthreads is used, so whole warps may return early.
+// pointers aligned). Branches below depend only on the row, so a row's threads stay converged;
+// with kRows > 1 (kThreads == 32) no __syncthreads is used, so whole warps may return early.
 template <typename scalar_t, int kThreads, int kRows, int kVec, bool kPeel>
 __global__ void __launch_bounds__(kThreads* kRows)
     xent_forward_kernel(const scalar_t* __restrict__ x, const int64_t* __restrict__ target,
