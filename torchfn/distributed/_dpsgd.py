@@ -113,6 +113,7 @@ class DistributedDPStep:
                             f"make_dp_train_step, got {type(step).__name__}")
         world_info(group, "DistributedDPStep")
         self.step_fn, self.group, self.bucket_mb = step, group, bucket_mb
+        self._sum: Callable[..., Any] = step.clipped_sum
         self._reduce_apply: Callable[..., Any] = self._reduce_and_apply
         self._one: Callable[..., Any] = self._one_chunk
 
@@ -145,11 +146,18 @@ class DistributedDPStep:
         return self._reduce_apply(state, local)
 
     def compile(self, **kwargs: Any) -> DistributedDPStep:
-        """Return a copy whose local part and reduce+apply are ``torch.compile(fullgraph=True)``."""
+        """Return a copy whose local part and reduce+apply are ``torch.compile(fullgraph=True)``.
+
+        ``kwargs`` go to ``torch.compile``. As in :meth:`DPTrainStep.compile`, Inductor's buffer
+        reuse is switched off unless ``mode``, ``options`` or another ``backend`` is given
+        (a CUDA launch failure of the kernel advancing the noise key, torch 2.11).
+        """
         kwargs.setdefault("fullgraph", True)
+        if "mode" not in kwargs and kwargs.get("backend", "inductor") == "inductor":
+            kwargs.setdefault("options", {"allow_buffer_reuse": False})
         new = DistributedDPStep.__new__(DistributedDPStep)
         new.__dict__.update(self.__dict__)
-        new.step_fn = self.step_fn.compile(**kwargs)
+        new._sum = torch.compile(self.step_fn.clipped_sum, **kwargs)
         new._reduce_apply = torch.compile(self._reduce_and_apply, **kwargs)
         new._one = torch.compile(self._one_chunk, **kwargs)
         return new
@@ -173,8 +181,7 @@ class DistributedDPStep:
         else:
             local = None
             for idx, valid in chunks:
-                part = self.step_fn.clipped_sum(state, get_batch(idx.to(device)),
-                                                valid.to(device))
+                part = self._sum(state, get_batch(idx.to(device)), valid.to(device))
                 local = part if local is None else DPTrainStep.add(local, part)
             assert local is not None
             state, metrics = self.apply(state, local)
