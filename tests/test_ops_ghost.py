@@ -229,6 +229,29 @@ def test_kernels_match_twins(kernels, shape, method, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norms_kernels_over_more_rows_than_resident_groups(kernels, dtype, device):
+    """70000 short rows: on CUDA more rows than 8-thread groups fit on the GPU at once, so each
+    group strides over several rows (forward and both backward paths) == the float64 twin."""
+    _need_device(kernels, device)
+    a, g = _pair(70000, None, 8, 8, seed=6)
+    a, g = a.to(device, dtype), g.to(device, dtype)
+    a64, g64 = a.to(F64), g.to(F64)
+    got, aux = torch.ops.torchfn.linear_grad_norms_sq(a, g, True, "gram")
+    _assert_close(got, reference.linear_grad_norms_sq(a64, g64, bias=True), dtype, False)
+    _assert_aux(aux, a64, g64, "gram", dtype)
+    w = _randn((a.shape[0],), seed=7).to(device, dtype)
+    leaves = (a64.clone().requires_grad_(True), g64.clone().requires_grad_(True))
+    want_da, want_dg = torch.autograd.grad(
+        reference.linear_grad_norms_sq(*leaves, bias=True), leaves, w.to(F64))
+    for given in (aux, None):
+        got_da, got_dg = torch.ops.torchfn.linear_grad_norms_sq_backward(
+            w, a, g, given, True, "gram")
+        _assert_close(got_da, want_da, dtype, False)
+        _assert_close(got_dg, want_dg, dtype, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_non_contiguous_and_misaligned_inputs(kernels, device):
     """Views (transposed, strided, at odd storage offsets) give the twin's values and grads."""
     _need_device(kernels, device)
