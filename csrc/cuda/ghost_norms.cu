@@ -62,8 +62,8 @@ __device__ __forceinline__ void segment_sum_sq2(const scalar_t* a, int64_t a_lo,
   opmath_t acc_a[kBatch], acc_g[kBatch];
 #pragma unroll
   for (int u = 0; u < kBatch; ++u) acc_a[u] = acc_g[u] = opmath_t(0);
-  // Pointers advance by the step; the packs of one step sit at constant offsets from them, and
-  // na, ng count the packs left from the step's start.
+  // Each step's packs sit at constant offsets from qa, qg; ra, rg count the packs left from
+  // the step's start.
   for (int64_t k = lane; k < n; k += static_cast<int64_t>(kBatch) * TPR) {
     const P* qa = pa + k;
     const P* qg = pg + k;
