@@ -98,6 +98,10 @@ def make_net(sizes: list[int]) -> Callable[[], nn.Module]:
     return build
 
 
+def on_device(sizes: list[int], device: torch.device) -> Callable[[], nn.Module]:
+    build = make_net(sizes)
+    return lambda: build().to(device)
+
 def batch_for(n: int, sizes: list[int], batch: int, device: torch.device
               ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
@@ -124,7 +128,8 @@ class TorchfnStep:
     """The torchfn step for N members, eager or compiled: Adam with a per-member ``(N,)`` lr."""
 
     def __init__(self, sizes: list[int], device: torch.device, mode: str, n: int) -> None:
-        self.model_fn = Ensemble.from_seeds(make_net(sizes), seeds=[0]).model_fn
+        # built on the device: a model_fn checks that params sit where its module was
+        self.model_fn = Ensemble.from_seeds(on_device(sizes, device), seeds=[0]).model_fn
         self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
         step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt)
         self.mode = mode
@@ -145,9 +150,8 @@ class TorchfnStep:
         if self.mode != "eager":
             # a fresh compile: Dynamo would otherwise reuse another variant's cached graph
             torch._dynamo.reset()
-        ens = Ensemble.from_seeds(make_net(sizes), seeds=range(n))
-        params = {k: v.to(device) for k, v in ens.params.items()}
-        ens = Ensemble(self.model_fn, params, {})
+        ens = Ensemble(self.model_fn,
+                       Ensemble.from_seeds(on_device(sizes, device), seeds=range(n)).params, {})
         state = init_ensemble_state(ens, self.opt, seed=0)
         if self.mode == "reduce-overhead":
             # CUDA graphs are skipped for a graph with CPU ops: the step counter (a CPU tensor
