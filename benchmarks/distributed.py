@@ -155,7 +155,9 @@ def _bench(world: int, rank: int, device: torch.device, sz: dict[str, Any]) -> d
 
     # ensemble: this rank's members (world 2: members [r n, (r+1) n) of 2n)
     n = sz["ens_members"]
-    ens = Ensemble.from_seeds(lambda: _mlp(sz["ens_dims"]), seeds=range(rank * n, rank * n + n))
+    # members built on the device: an ensemble's model_fn checks where its params live
+    ens = Ensemble.from_seeds(lambda: _mlp(sz["ens_dims"]).to(device),
+                              seeds=range(rank * n, rank * n + n))
     eopt = adam(1e-3)
     estate = init_ensemble_state(ens, eopt, seed=0)
     estate = estate._replace(params={k: v.to(device) for k, v in estate.params.items()},
@@ -259,7 +261,7 @@ def _check(rank: int, world: int, device: torch.device, compile_check: bool) -> 
     res["meta"] = {"rel_err": _rel_err(mstate.params, ref.params)}
 
     # ensemble: gather trained members + checkpoint round trip on the job's world size
-    ens = Ensemble.from_seeds(lambda: _mlp((6, 16, 3)).double(), seeds=range(2 * world))
+    ens = Ensemble.from_seeds(lambda: _mlp((6, 16, 3)).to(device, F64), seeds=range(2 * world))
     eopt = adam(1e-2)
     full = init_ensemble_state(ens, eopt, seed=0)
     full = full._replace(params={k: v.to(device) for k, v in full.params.items()},
