@@ -9,7 +9,7 @@ synchronized calls, and the peak CUDA memory over the timed calls. Every variant
 meta-gradient is checked against torchfn eager (max over params of
 ``max|g - g_eager| / max|g_eager|``).
 
-Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-cg,jax``):
+Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-fix,compiled-cg-fix,jax``):
 
 - ``loop``: the learn2learn/higher pattern, one task at a time with
   ``autograd.grad(create_graph=True)`` on the ordinary module.
@@ -18,8 +18,10 @@ Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-cg,
   ``cg`` (mode ``reduce-overhead``: CUDA graphs), ``at`` (``max-autotune-no-cudagraphs``),
   ``atcg`` (``max-autotune``), ``cl`` (force Inductor's channels-last layout optimization, which
   it skips by itself for grouped convolutions, i.e. vmapped per-task conv weights),
-  ``bench`` (``torch.backends.cudnn.benchmark=True`` for that variant), ``chunkN`` (tasks in
-  chunks of N). E.g. ``compiled-cg-cl-bench``. ``eager-chunkN``/``eager-bench`` work too.
+  ``bench`` (``torch.backends.cudnn.benchmark=True`` for that variant), ``fix`` (install
+  ``torchfn.meta.inductor_options()``: the post-grad pass that turns the per-task loop of
+  weight-gradient convolutions in ATen's conv double backward into one grouped
+  ``convolution_backward``), ``chunkN`` (tasks in chunks of N). E.g. ``compiled-cg-fix-bench``. ``eager-chunkN``/``eager-bench`` work too.
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
   ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
   (default: this interpreter) so the two frameworks never share a process; skipped with a
@@ -31,7 +33,8 @@ TF32 on both. The TF32 state is printed. ``--small`` shrinks everything for a CP
 ``--out results.json`` writes JSON.
 
     python benchmarks/meta.py --out benchmarks/results/meta-h100.json
-    python benchmarks/meta.py --variants compiled,compiled-cg,compiled-cg-cl,compiled-cg-bench,jax
+    python benchmarks/meta.py --variants compiled-cg,compiled-cg-fix-cl,compiled-cg-fix-bench,jax
+    python benchmarks/meta.py --variants compiled,compiled-fix --repeats 3 --profile
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from torchfn.functional import make_functional
+from torchfn.meta import inductor_options
 from torchfn.meta._maml import maml
 from torchfn.meta._tasks import Task
 
@@ -198,7 +202,7 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     if kind not in ("loop", "eager", "compiled", "jax") or (kind in ("loop", "jax") and rest):
         raise SystemExit(f"meta.py --variants: unknown variant {name!r} (see --help)")
     tokens, chunk = set(), None
-    known = {"cg", "at", "atcg", "cl", "bench"} if kind == "compiled" else {"bench"}
+    known = {"cg", "at", "atcg", "cl", "bench", "fix"} if kind == "compiled" else {"bench"}
     for tok in rest:
         if tok.startswith("chunk") and tok[5:].isdigit():
             chunk = int(tok[5:])
@@ -248,7 +252,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="calls before timing (>= 1)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--precision", default="highest", choices=["highest", "tf32"])
-    ap.add_argument("--variants", default="loop,eager,compiled,compiled-cg,jax")
+    ap.add_argument("--variants", default="loop,eager,compiled,compiled-fix,compiled-cg-fix,jax")
     ap.add_argument("--jax-python", default=sys.executable,
                     help="interpreter for the JAX twin (needs numpy and jax)")
     ap.add_argument("--out", default=None)
@@ -318,7 +322,12 @@ def main() -> None:
                                inner_steps=cfg["steps"], chunk_size=chunk)
                 call = learner.meta_grad
                 if kind == "compiled":
-                    call = torch.compile(learner.meta_grad, fullgraph=True, mode=mode)
+                    if "fix" in tokens:  # compile takes a mode or options, not both
+                        options = {**(torch._inductor.list_mode_options(mode) if mode
+                                      else {}), **inductor_options()}
+                        call = torch.compile(learner.meta_grad, fullgraph=True, options=options)
+                    else:
+                        call = torch.compile(learner.meta_grad, fullgraph=True, mode=mode)
 
                 def fn(call=call) -> dict[str, Tensor]:
                     return call(params, buffers, tasks)[0]

@@ -1,5 +1,12 @@
 """Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile; tasks batched with vmap."""
 
+from torchfn.meta._conv_pass import (
+    GroupedConvDoubleBackwardPass as GroupedConvDoubleBackwardPass,
+)
+from torchfn.meta._conv_pass import (
+    fuse_grouped_conv_double_backward as fuse_grouped_conv_double_backward,
+)
+from torchfn.meta._conv_pass import inductor_options as inductor_options
 from torchfn.meta._maml import LR_PREFIX as LR_PREFIX
 from torchfn.meta._maml import MetaLearner as MetaLearner
 from torchfn.meta._maml import anil as anil
@@ -15,10 +22,13 @@ from torchfn.meta._tasks import stack_episodes as stack_episodes
 
 __all__ = [
     "LR_PREFIX",
+    "GroupedConvDoubleBackwardPass",
     "MetaLearner",
     "Task",
     "anil",
     "fomaml",
+    "fuse_grouped_conv_double_backward",
+    "inductor_options",
     "init_meta_state",
     "make_meta_train_step",
     "maml",
