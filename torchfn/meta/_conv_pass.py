@@ -8,10 +8,14 @@ kernel::
 
     cat([conv(ggI.T[g*Ci:(g+1)*Ci], gO.T[g*Co:(g+1)*Co]) for g in range(groups)], 1).T
 
-That is 32 small convolutions with 14x14-style kernels per layer and inner step for 32 tasks.
-:func:`fuse_grouped_conv_double_backward` finds that pattern in an FX graph of aten ops
-(stride 1, dilation 1, no output padding) and replaces it by the single grouped
-weight-gradient it equals, ``convolution_backward(gO, ggI, ..., groups, mask=[F, T, F])[1]``.
+That is 32 small convolutions with 14x14-style kernels per layer and inner step for 32 tasks
+(and, for the first inner step, where the weights are still shared, one such convolution with
+the whole batch reduced inside a feature-map-sized kernel).
+:func:`fuse_grouped_conv_double_backward` finds these patterns in an FX graph of aten ops
+(stride 1, dilation 1, no output padding) and replaces each by the weight-gradient it equals,
+``convolution_backward(gO, ggI, ..., groups, mask=[F, T, F])[1]`` -- cuDNN's weight-gradient
+kernels, as XLA does when it rewrites such convolutions into backward-filter calls.
+Not measured on a GPU yet: ``benchmarks/meta.py`` compares ``compiled`` with ``compiled-fix``.
 :func:`inductor_options` returns ``torch.compile`` options that install it as a post-grad
 pass: ``torch.compile(step, fullgraph=True, options=inductor_options())``.
 """
@@ -63,63 +67,99 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
 
 
 def fuse_grouped_conv_double_backward(graph: fx.Graph) -> int:
-    """Rewrite per-group weight-gradient convolutions into one grouped one; return the count.
+    """Rewrite weight-gradient-as-forward convolutions into ``convolution_backward``; count them.
 
-    Works on a graph of aten ops whose nodes carry ``meta["val"]`` (``make_fx``, AOTAutograd,
-    Inductor's post-grad graphs). Only exact matches are rewritten; the result is the same
+    Two patterns: the per-group loop described above (one grouped weight-gradient replaces
+    ``groups`` convolutions and their ``cat``), and its ``groups == 1`` form -- a single
+    ``conv(ggI.T, gO.T)``, where the feature map is the kernel, as the double backward of a conv
+    with shared (unbatched) weights produces. Works on a graph of aten ops whose nodes carry
+    ``meta["val"]`` (``make_fx``, AOTAutograd, Inductor's post-grad graphs). Only exact matches
+    (stride 1, dilation 1, no bias, no output padding) are rewritten; the result is the same
     tensor up to floating-point summation order.
     """
     rewrites = 0
-    for cat in list(graph.nodes):
-        if cat.op != "call_function" or cat.target is not aten.cat.default:
+    for node in list(graph.nodes):
+        if node.op != "call_function":
             continue
-        convs = cat.args[0]
-        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-        if dim != 1 or len(convs) < 2:
+        if node.target is aten.cat.default:
+            convs = node.args[0]
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+            match = _match(convs) if dim == 1 and len(convs) >= 2 else None
+        elif node.target is aten.convolution.default and node.args[8] == 1:
+            convs = [node]
+            match = _match_single(node)
+        else:
             continue
-        match = _match(convs)
         if match is None:
             continue
         ggi, go, padding, kernel = match
         groups = len(convs)
-        shapes = [_shape(n) for n in (ggi, go, cat)]
+        shapes = [_shape(n) for n in (ggi, go, node)]
         if any(s is None or len(s) != 4 for s in shapes):
             continue
-        (n, gci, _, _), (n2, gco, _, _), cat_shape = shapes
+        (n, gci, _, _), (n2, gco, _, _), out_shape = shapes
         if n != n2 or gci % groups or gco % groups:
             continue
         weight_shape = [gco, gci // groups, *kernel]
-        if tuple(cat_shape) != (gci // groups, gco, *kernel):
+        if tuple(out_shape) != (gci // groups, gco, *kernel):
             continue
-        val = ggi.meta["val"]
-        with graph.inserting_before(cat):
-            weight = graph.call_function(
-                aten.empty.memory_format, (weight_shape,),
-                {"dtype": val.dtype, "device": val.device},
-            )
-            back = graph.call_function(
-                aten.convolution_backward.default,
-                (go, ggi, weight, None, [1, 1], list(padding), [1, 1], False, [0, 0], groups,
-                 [False, True, False]),
-            )
-            gw = graph.call_function(operator.getitem, (back, 1))
-            out = graph.call_function(aten.permute.default, (gw, [1, 0, 2, 3]))
-        fake = getattr(val, "fake_mode", None)
-        if fake is not None:
-            with fake:  # shapes only: the inputs may come from other fake modes (make_fx)
-                weight.meta["val"] = torch.empty(weight_shape, dtype=val.dtype, device=val.device)
-                gw.meta["val"] = torch.empty(weight_shape, dtype=val.dtype, device=val.device)
-                back.meta["val"] = (None, gw.meta["val"], None)
-                out.meta["val"] = gw.meta["val"].permute(1, 0, 2, 3)
-        cat.replace_all_uses_with(out)
-        graph.erase_node(cat)
+        out = _insert_wgrad(graph, node, ggi, go, padding, weight_shape, groups)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
         for conv in convs:
-            if not conv.users:
+            if conv is not node and not conv.users:
                 graph.erase_node(conv)
         rewrites += 1
     if rewrites:
         graph.eliminate_dead_code()
     return rewrites
+
+
+def _insert_wgrad(graph: fx.Graph, before: fx.Node, ggi: fx.Node, go: fx.Node,
+                  padding: list[int], weight_shape: list[int], groups: int) -> fx.Node:
+    """Insert ``convolution_backward(go, ggi, ...)[1].permute(1, 0, 2, 3)``; return its node."""
+    val = ggi.meta["val"]
+    with graph.inserting_before(before):
+        weight = graph.call_function(
+            aten.empty.memory_format, (weight_shape,),
+            {"dtype": val.dtype, "device": val.device},
+        )
+        back = graph.call_function(
+            aten.convolution_backward.default,
+            (go, ggi, weight, None, [1, 1], list(padding), [1, 1], False, [0, 0], groups,
+             [False, True, False]),
+        )
+        gw = graph.call_function(operator.getitem, (back, 1))
+        out = graph.call_function(aten.permute.default, (gw, [1, 0, 2, 3]))
+    fake = getattr(val, "fake_mode", None)
+    if fake is not None:
+        with fake:  # shapes only: the inputs may come from other fake modes (make_fx)
+            weight.meta["val"] = torch.empty(weight_shape, dtype=val.dtype, device=val.device)
+            gw.meta["val"] = torch.empty(weight_shape, dtype=val.dtype, device=val.device)
+            back.meta["val"] = (None, gw.meta["val"], None)
+            out.meta["val"] = gw.meta["val"].permute(1, 0, 2, 3)
+    return out
+
+
+def _plain_conv(conv: Any) -> list[int] | None:
+    """Return the padding of ``conv`` if it is a stride-1, dilation-1, bias-free, ungrouped conv."""
+    if not isinstance(conv, fx.Node) or conv.target is not aten.convolution.default:
+        return None
+    _, _, bias, stride, pad, dilation, transposed, out_pad, groups = conv.args
+    if (bias is not None or transposed or groups != 1 or list(stride) != [1, 1]
+            or list(dilation) != [1, 1] or list(out_pad) != [0, 0]):
+        return None
+    return list(pad)
+
+
+def _match_single(conv: fx.Node) -> tuple[fx.Node, fx.Node, list[int], list[int]] | None:
+    """Return ``(ggI, gO, padding, kernel)`` if ``conv`` is ``conv(ggI.T, gO.T)``."""
+    padding = _plain_conv(conv)
+    ggi, go = _swapped01(conv.args[0]), _swapped01(conv.args[1])
+    shape = _shape(conv)
+    if padding is None or ggi is None or go is None or shape is None:
+        return None
+    return ggi, go, padding, list(shape[2:])
 
 
 def _match(convs: Any) -> tuple[fx.Node, fx.Node, list[int], list[int]] | None:
@@ -129,24 +169,21 @@ def _match(convs: Any) -> tuple[fx.Node, fx.Node, list[int], list[int]] | None:
     kernel: list[int] | None = None
     ci = co = None
     for g, conv in enumerate(convs):
-        if (not isinstance(conv, fx.Node) or conv.target is not aten.convolution.default
-                or len(conv.users) != 1):
+        pad = _plain_conv(conv)
+        if pad is None or len(conv.users) != 1:
             return None
-        x, w, bias, stride, pad, dilation, transposed, out_pad, groups = conv.args
-        if (bias is not None or transposed or groups != 1 or list(stride) != [1, 1]
-                or list(dilation) != [1, 1] or list(out_pad) != [0, 0]):
-            return None
+        x, w = conv.args[:2]
         sx, so = _dim0_slice(x), _dim0_slice(w)
         if sx is None or so is None:
             return None
         if g == 0:
-            src_i, src_o, padding = sx[0], so[0], list(pad)
+            src_i, src_o, padding = sx[0], so[0], pad
             ci, co = sx[2] - sx[1], so[2] - so[1]
             shape = _shape(conv)
             if shape is None:
                 return None
             kernel = list(shape[2:])
-        if (sx[0] is not src_i or so[0] is not src_o or list(pad) != padding
+        if (sx[0] is not src_i or so[0] is not src_o or pad != padding
                 or (sx[1], sx[2]) != (g * ci, (g + 1) * ci)
                 or (so[1], so[2]) != (g * co, (g + 1) * co)):
             return None
