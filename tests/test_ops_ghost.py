@@ -14,9 +14,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES
 from _op_matrix import need_device as _need_device
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from torchfn import ops
 from torchfn.ops import _dispatch, _ghost, reference
@@ -557,6 +560,66 @@ def test_eager_backward_runs_through_the_functions(kernels):
     coef = torch.rand(3, dtype=F64)
     assert type(ops.clipped_linear_grad_sum(a, g, coef).grad_fn).__name__.startswith(
         "_ClippedSumFn")
+
+
+class _OpLog(TorchDispatchMode):
+    """Records ``(op name, largest numel among its tensor arguments and results)`` per op run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor)]
+        self.ops.append((func._schema.name, max(sizes, default=0)))
+        return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("time", "method"), [(None, "gram"), (24, "gram"), (24, "materialize")])
+def test_public_forward_backward_runs_only_the_two_kernels(kernels, device, dtype, time, method):
+    """The public op + a plain first-order backward (what benchmarks/ops_ghost.py times) runs
+    exactly what the raw library calls run (its ``kernel-raw``): the forward kernel and the
+    backward kernel, once each, with the same results -- no copy, cast, fill or reduction of
+    anything else. (The backward used to go through a second autograd.Function and, in 3-D, to
+    fill a zeros tensor of aux's size for aux's non-existent gradient.)"""
+    _need_device(kernels, device)
+    a, g = (x.to(device, dtype) for x in _pair(6, time, 40, 32, seed=21))
+    w = torch.linspace(0.5, 1.5, 6, device=device, dtype=dtype)
+    leaves = [x.clone().requires_grad_(True) for x in (a, g)]
+    with _OpLog() as log:
+        grads = torch.autograd.grad(ops.linear_grad_norms_sq(*leaves, method=method), leaves, w)
+    assert log.ops == [("torchfn::linear_grad_norms_sq", log.ops[0][1]),
+                       ("torchfn::linear_grad_norms_sq_backward", log.ops[1][1])], log.ops
+    _, aux = torch.ops.torchfn.linear_grad_norms_sq(a, g, False, method)
+    want = torch.ops.torchfn.linear_grad_norms_sq_backward(w, a, g, aux, False, method)
+    for got, exp in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+def test_forward_over_reverse_with_dual_tensors_keeps_the_backward_function(kernels):
+    """A backward without create_graph inside a forward_ad dual level must still run the
+    backward Function (its jvp rule carries the tangents): the raw kernel would drop them."""
+    a, g = (x.requires_grad_(True) for x in _pair(3, None, 4, 5, seed=22))
+    a_t = _randn((3, 4), seed=24)
+
+    def tangents(fn: Callable[..., Tensor]) -> list[Tensor]:
+        with fwAD.dual_level():
+            grads = torch.autograd.grad(fn(fwAD.make_dual(a, a_t), g).sum(), (a, g))
+            return [fwAD.unpack_dual(d).tangent for d in grads]
+
+    got, want = tangents(ops.linear_grad_norms_sq), tangents(reference.linear_grad_norms_sq)
+    assert all(t is not None for t in got)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def test_functions_skip_the_per_call_signature_binding():
+    """torchfn's Functions take the fast ``apply`` (all arguments positional, no defaults)."""
+    assert (_ghost._NormsFn.fast_nargs, _ghost._NormsGradFn.fast_nargs,
+            _ghost._ClippedSumFn.fast_nargs) == (4, 6, 3)
 
 
 def test_rules_and_reference_mode_route_to_twins(kernels, monkeypatch):

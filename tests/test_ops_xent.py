@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES
 from _op_matrix import need_device as _need_device
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from torchfn import ops
 from torchfn.ops import _dispatch, _xent, reference
@@ -423,6 +426,65 @@ def test_eager_derivatives_run_on_the_kernels(kernels, device):
     (h,) = torch.autograd.grad((g * data["direction"]).sum(), x, create_graph=True)
     assert "_XentGradGradFnBackward" in _graph_names(h)
     assert "LogSoftmaxBackward0" not in _graph_names(h)
+
+
+class _OpLog(TorchDispatchMode):
+    """Records ``(op name, largest numel among its tensor arguments and results)`` per op run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.ops.append((func._schema.name, max(sizes, default=0)))
+        return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_public_forward_backward_runs_the_two_kernels_over_the_logits(kernels, device, dtype,
+                                                                      reduction):
+    """The public op + a plain first-order backward (what benchmarks/ops.py times as ``kernel``)
+    touches the logits-sized tensors exactly as the raw library calls do (its ``kernel-raw``):
+    the forward kernel and the backward kernel, once each; everything else (the reduction and
+    its derivative, grad_loss) works on per-row vectors. No second autograd.Function runs, and
+    no zeros are filled for the stats' non-existent gradient."""
+    _need_device(kernels, device)
+    n, c = 12, 40
+    x, t = _data(n, c, dtype, device, seed=31)
+    leaf = x.clone().requires_grad_(True)
+    with _OpLog() as log:
+        loss = ops.softmax_cross_entropy(leaf, t, reduction=reduction)
+        (got,) = torch.autograd.grad(loss, leaf, torch.ones_like(loss))
+    assert [name for name, size in log.ops if size > n] == [
+        "torchfn::softmax_cross_entropy", "torchfn::softmax_cross_entropy_backward"], log.ops
+    assert "aten::zeros" not in [name for name, _ in log.ops]
+    _, stats = torch.ops.torchfn.softmax_cross_entropy(x, t, 0.0, IGNORE)
+    g = torch.ones(n, device=device)
+    if reduction == "mean":
+        g = g / (t != IGNORE).sum()
+    want = torch.ops.torchfn.softmax_cross_entropy_backward(g, x, t, stats, 0.0, IGNORE)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_forward_over_reverse_with_dual_tensors_keeps_the_backward_function(kernels):
+    """A backward without create_graph inside a forward_ad dual level must still run the
+    backward Function (its jvp rule carries the tangent): the raw kernel would drop it."""
+    x, t = _data(5, 7, torch.float64, "cpu", seed=32)
+    x.requires_grad_(True)
+    x_t = _data(5, 7, torch.float64, "cpu", seed=33)[0]
+
+    def tangent(fn):  # type: ignore[no-untyped-def]
+        with fwAD.dual_level():
+            (d,) = torch.autograd.grad(fn(fwAD.make_dual(x, x_t), t, label_smoothing=0.1), x)
+            return fwAD.unpack_dual(d).tangent
+
+    got = tangent(ops.softmax_cross_entropy)
+    assert got is not None
+    torch.testing.assert_close(got, tangent(reference.softmax_cross_entropy))
 
 
 # ---------------------------------------------------------------------------------------------

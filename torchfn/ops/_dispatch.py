@@ -25,6 +25,8 @@ A call goes to the twin when
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,10 +34,12 @@ from torch import Tensor
 from torchfn.ops import _build
 
 __all__ = [
+    "Function",
     "OpRule",
     "functorch_stack",
     "get_rule",
     "nested_forward_ad",
+    "plain_backward",
     "set_rule",
     "use_kernel",
     "vmapped_numel",
@@ -63,6 +67,42 @@ class OpRule:
 
 _RULES: dict[tuple[str, str], OpRule] = {}
 _COMPILE_OK: set[tuple[str, str]] = set()  # mirror of compile_ok, cheap to test while tracing
+
+
+try:  # what torch.autograd.Function.apply itself calls (NOTE: [functorch vjp and autograd ...])
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+except ImportError:  # pragma: no cover - a torch without it: Function.fast_nargs stays -1
+    _unwrap_dead_wrappers = None
+
+
+class Function(torch.autograd.Function):
+    """``torch.autograd.Function`` whose eager ``apply`` skips a per-call ``inspect.signature``.
+
+    ``torch.autograd.Function.apply`` binds every call's arguments to ``forward``'s signature
+    (``inspect.signature(...).bind(...).apply_defaults()``, ~20-35 us of host time per call) to
+    fill in defaults. For a ``forward`` whose parameters are all plain positional ones without
+    defaults, a call that passes all of them positionally binds to exactly its arguments, so
+    this ``apply`` goes straight to the C++ ``apply`` (after the same dead-functorch-wrapper
+    unwrapping) in that case outside ``torch.func`` transforms and Dynamo tracing; anything else
+    (keyword or missing arguments, transforms, compiling) takes ``torch.autograd.Function.apply``
+    unchanged. Dynamo treats every ``autograd.Function`` subclass's ``apply`` itself, so this
+    override never runs while compiling.
+    """
+
+    fast_nargs: int = -1  # forward's parameter count when the fast path applies, else -1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        params = list(inspect.signature(cls.forward).parameters.values())
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params)
+        cls.fast_nargs = len(params) if plain and _unwrap_dead_wrappers is not None else -1
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        if (kwargs or len(args) != cls.fast_nargs or torch._C._are_functorch_transforms_active()
+                or torch.compiler.is_compiling()):
+            return super().apply(*args, **kwargs)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
 
 
 def set_rule(op: str, device_type: str, **fields: object) -> OpRule:
@@ -131,6 +171,28 @@ def vmapped_numel(x: Tensor, stack: tuple | None = None) -> int:
             if interpreter.key() == TransformType.Vmap:
                 numel *= interpreter.batch_size()
     return numel
+
+
+def plain_backward() -> bool:
+    """Return True inside a plain first-order ``backward`` of an ``autograd.Function``.
+
+    That is: grad mode is off (``backward()``/``autograd.grad`` without ``create_graph``), no
+    ``torch.func`` transform and no ``torch.autograd.forward_ad`` level is active, and Dynamo is
+    not tracing (compiled autograd). Nothing can then differentiate the backward itself, so a
+    Function whose backward is a second Function around a library op (for double backward, vmap
+    and jvp) may call that library op directly: the same kernel on the same inputs, without the
+    second Function's host overhead (``Function.apply`` binds its arguments with
+    ``inspect.signature``, builds a ctx, saves tensors). That overhead is what separates the
+    public ops from their raw kernels in ``benchmarks/ops.py`` / ``ops_ghost.py`` on an H100
+    (the same full-size kernels run in both; the host's Python time shows in the timings).
+    """
+    if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        return False
+    # forward_ad keeps its current level in a module global (-1: no dual level open). A torch
+    # without it is treated as "maybe inside one": the Function path, whose jvp rule is right.
+    if getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0:
+        return False
+    return not torch.compiler.is_compiling()
 
 
 def use_kernel(op: str, x: Tensor) -> bool:

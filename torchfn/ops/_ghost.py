@@ -33,7 +33,13 @@ import torch
 from torch import Tensor
 
 from torchfn.ops import _build, reference
-from torchfn.ops._dispatch import check_float_tensor, set_rule, use_kernel
+from torchfn.ops._dispatch import (
+    Function,
+    check_float_tensor,
+    plain_backward,
+    set_rule,
+    use_kernel,
+)
 
 __all__ = [
     "clipped_linear_bias_grad_sum",
@@ -137,7 +143,7 @@ def _hessian_terms(
     return d_a, d_g, d_w
 
 
-class _NormsGradFn(torch.autograd.Function):
+class _NormsGradFn(Function):
     """``(w, a, g, aux) -> (w grad_a N, w grad_g N)`` on the kernel; derivatives in torch ops.
 
     ``aux`` is the forward kernel's by-product (row norms, Gram matrices or ``g^T a``), a
@@ -192,7 +198,7 @@ class _NormsGradFn(torch.autograd.Function):
         return (d_a.reshape(ab.shape), d_g.reshape(gb.shape)), (0, 0)
 
 
-class _NormsFn(torch.autograd.Function):
+class _NormsFn(Function):
     """``(a, g) -> (N, aux)``: per-sample squared gradient norms on the kernel.
 
     ``aux`` (non-differentiable) is what the backward kernel reuses: ``(B, 2)`` row norms
@@ -210,16 +216,25 @@ class _NormsFn(torch.autograd.Function):
         a, g, bias, method = inputs
         _, aux = output
         ctx.mark_non_differentiable(aux)
+        # aux gets no gradient: with materialised grads autograd would fill a zeros tensor of
+        # aux's shape for it on every backward ((B, 2, T, T) or (B, d_out, d_in) in 3-D).
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(a, g, aux)
         ctx.save_for_forward(a, g, aux)
         ctx.bias, ctx.method = bias, method
 
     @staticmethod
     def backward(  # type: ignore[no-untyped-def, override]
-        ctx, w: Tensor, _aux_grad: Tensor | None
+        ctx, w: Tensor | None, _aux_grad: Tensor | None
     ):
+        if w is None:  # grads are not materialised (setup_context): the norms got none
+            return None, None, None, None
         a, g, aux = ctx.saved_tensors
-        d_a, d_g = _NormsGradFn.apply(w, a, g, aux, ctx.bias, ctx.method)
+        if plain_backward():  # nothing differentiates this backward: the kernel alone
+            d_a, d_g = torch.ops.torchfn.linear_grad_norms_sq_backward(
+                w, a, g, aux, ctx.bias, ctx.method)
+        else:
+            d_a, d_g = _NormsGradFn.apply(w, a, g, aux, ctx.bias, ctx.method)
         needs = ctx.needs_input_grad
         return d_a if needs[0] else None, d_g if needs[1] else None, None, None
 
@@ -246,7 +261,7 @@ class _NormsFn(torch.autograd.Function):
         return (out.reshape(lead), aux.reshape(*lead, *aux.shape[1:])), (0, 0)
 
 
-class _ClippedSumFn(torch.autograd.Function):
+class _ClippedSumFn(Function):
     """``(a, g, coef) -> sum_i coef_i g_i^T a_i`` on the kernel (one GEMM); torch-op backward."""
 
     @staticmethod

@@ -35,10 +35,12 @@ from torch import Tensor
 
 from torchfn.ops import _build, reference
 from torchfn.ops._dispatch import (
+    Function,
     check_float_tensor,
     functorch_stack,
     get_rule,
     nested_forward_ad,
+    plain_backward,
     set_rule,
     use_kernel,
     vmapped_numel,
@@ -129,7 +131,7 @@ def _split_rows(t: Tensor, batch_size: int) -> Tensor:
 # autograd.Functions
 
 
-class _XentGradGradFn(torch.autograd.Function):
+class _XentGradGradFn(Function):
     """Fused double backward ``(v, g, x) -> (<v, p - q>, g * p * (v - <p, v>))`` per row.
 
     Its own derivatives (third order and up) are plain torch ops.
@@ -204,7 +206,7 @@ class _XentGradGradFn(torch.autograd.Function):
         return (_split_rows(d_g, info.batch_size), _split_rows(d_x, info.batch_size)), (0, 0)
 
 
-class _XentGradFn(torch.autograd.Function):
+class _XentGradFn(Function):
     """``grad_logits = g * (softmax(x) - q)`` per row on the kernel (zero for ignored rows);
     backward through :class:`_XentGradGradFn`."""
 
@@ -254,7 +256,7 @@ class _XentGradFn(torch.autograd.Function):
         return _split_rows(_XentGradFn.apply(*flat, eps, ignore_index), info.batch_size), 0
 
 
-class _XentFn(torch.autograd.Function):
+class _XentFn(Function):
     """Per-row ``(loss (N,), stats (N, 2))`` of ``(N, C)`` logits on the kernel; ``stats`` is a
     cache for the backward (non-differentiable). Backward through :class:`_XentGradFn`."""
 
@@ -268,16 +270,20 @@ class _XentFn(torch.autograd.Function):
         logits, target, eps, ignore_index = inputs
         _, stats = output
         ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)  # else every backward fills zeros for stats' grad
         ctx.save_for_backward(logits, target, stats)
         ctx.save_for_forward(logits, target)
         ctx.eps, ctx.ignore_index = eps, ignore_index
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_lse: Tensor | None):  # type: ignore[no-untyped-def, override]
+    def backward(ctx, grad_loss: Tensor | None, _grad_lse: Tensor | None):  # type: ignore[no-untyped-def, override]
+        if grad_loss is None:  # grads are not materialised (setup_context): the loss got none
+            return None, None, None, None
         logits, target, stats = ctx.saved_tensors
-        d_x = _XentGradFn.apply(grad_loss.to(stats.dtype), logits, target, stats, ctx.eps,
-                                ctx.ignore_index)
-        return d_x, None, None, None
+        args = (grad_loss.to(stats.dtype), logits, target, stats, ctx.eps, ctx.ignore_index)
+        if plain_backward():  # nothing differentiates this backward: the kernel alone
+            return torch.ops.torchfn.softmax_cross_entropy_backward(*args), None, None, None
+        return _XentGradFn.apply(*args), None, None, None
 
     @staticmethod
     def jvp(ctx, x_t, _t_t, _eps_t, _ii_t):  # type: ignore[no-untyped-def, override]
@@ -419,7 +425,7 @@ def _reduce(rows: Tensor, target: Tensor, ignore_index: int, reduction: str,
     total = rows.sum()
     if reduction == "sum":
         return total.to(dtype)
-    count = (target != ignore_index).sum().to(rows.dtype)
+    count = (target != ignore_index).sum()  # int64; the division promotes to rows.dtype
     return (total / count).to(dtype)  # all rows ignored: 0 / 0 = nan, like torch
 
 
