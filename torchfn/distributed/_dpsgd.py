@@ -30,7 +30,7 @@ from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
 from torchfn.functional._accountant import RDPAccountant
 from torchfn.functional._dp_sampling import PoissonSampler
-from torchfn.functional._dpsgd import ClippedSum, DPState, DPTrainStep
+from torchfn.functional._dpsgd import ClippedSum, DPState, DPTrainStep, run_chunks
 
 __all__ = ["DistributedDPStep", "all_reduce_clipped_sum", "shard_poisson_sample"]
 
@@ -174,17 +174,7 @@ class DistributedDPStep:
         if not chunks:
             raise ValueError("DistributedDPStep.run: chunks is empty; pass "
                              "shard_poisson_sample(sampler, step, rank=..., world_size=...)")
-        device = state.step.device
-        if len(chunks) == 1:
-            idx, valid = chunks[0]
-            state, metrics = self(state, get_batch(idx.to(device)), valid.to(device))
-        else:
-            local = None
-            for idx, valid in chunks:
-                part = self._sum(state, get_batch(idx.to(device)), valid.to(device))
-                local = part if local is None else DPTrainStep.add(local, part)
-            assert local is not None
-            state, metrics = self.apply(state, local)
+        state, metrics = run_chunks(self, self._sum, self.apply, state, chunks, get_batch)
         if accountant is not None:
             accountant.step(noise_multiplier=self.step_fn.noise_multiplier,
                             sample_rate=self.step_fn.sample_rate)

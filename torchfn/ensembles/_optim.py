@@ -122,6 +122,17 @@ def _count_device(params: Params) -> torch.device:
     return leaves[0].device if leaves else torch.device("cpu")
 
 
+def _flatten_update(fn: str, updates: Updates, params: Params | None, *, needs_params: bool
+                    ) -> tuple[Any, list[Any], list[Any]]:
+    """(tree spec, gradient leaves, parameter leaves or Nones) for an update call."""
+    if needs_params and params is None:
+        raise ValueError(f"{fn}.update(updates, state, params): weight decay needs the "
+                         "parameters; call update(grads, state, params=params)")
+    spec = optree.tree_structure(updates, none_is_leaf=True)
+    grads = spec.flatten_up_to(updates)
+    return spec, grads, (spec.flatten_up_to(params) if params is not None else [None] * len(grads))
+
+
 def _lr_now(lr: Any, count: Tensor) -> Hyper:
     return lr(count) if callable(lr) else lr
 
@@ -189,13 +200,8 @@ def per_member_sgd(
     def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
                   inplace: bool = True) -> tuple[Updates, OptState]:
         del inplace  # always out-of-place
-        if not no_decay and params is None:
-            raise ValueError(f"{fn}.update(updates, state, params): weight decay needs the "
-                             "parameters; call update(grads, state, params=params)")
-        spec = optree.tree_structure(updates, none_is_leaf=True)
-        grads = spec.flatten_up_to(updates)
+        spec, grads, ps = _flatten_update(fn, updates, params, needs_params=not no_decay)
         bufs = spec.flatten_up_to(state.momentum_buffer) if use_buf else [None] * len(grads)
-        ps = spec.flatten_up_to(params) if params is not None else [None] * len(grads)
         lr_t = _lr_now(lr, state.count)
         first = state.count == 0
         new_u: list[Any] = []
@@ -284,13 +290,8 @@ def per_member_adam(
     def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
                   inplace: bool = True) -> tuple[Updates, OptState]:
         del inplace  # always out-of-place
-        if not no_decay and params is None:
-            raise ValueError(f"{fn}.update(updates, state, params): weight decay needs the "
-                             "parameters; call update(grads, state, params=params)")
-        spec = optree.tree_structure(updates, none_is_leaf=True)
-        grads = spec.flatten_up_to(updates)
+        spec, grads, ps = _flatten_update(fn, updates, params, needs_params=not no_decay)
         mus, nus = spec.flatten_up_to(state.mu), spec.flatten_up_to(state.nu)
-        ps = spec.flatten_up_to(params) if params is not None else [None] * len(grads)
         lr_t = _lr_now(lr, state.count)
         count = state.count + 1
         new_u: list[Any] = []

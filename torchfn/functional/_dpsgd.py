@@ -283,7 +283,8 @@ class DPTrainStep:
     def compile(self, **kwargs: Any) -> DPTrainStep:
         """Return a copy whose step, clipped_sum and apply are ``torch.compile(fullgraph=True)``.
 
-        ``kwargs`` go to ``torch.compile``. Unless ``options`` or ``mode`` is given, Inductor's
+        ``kwargs`` go to ``torch.compile``. Unless ``options``, ``mode`` or a backend other than
+        Inductor is given, Inductor's
         buffer reuse is switched off (``options={"allow_buffer_reuse": False}``): on CUDA
         (torch 2.11, H100) the fused step of a 4-layer transformer otherwise failed at launch with "CUDA
         driver error: invalid argument" -- Inductor handed the one-element kernel that advances
@@ -293,7 +294,8 @@ class DPTrainStep:
         new = DPTrainStep.__new__(DPTrainStep)
         new.__dict__.update(self.__dict__)
         kwargs.setdefault("fullgraph", True)
-        if "mode" not in kwargs:  # torch.compile takes mode or options, not both
+        # torch.compile takes mode or options, not both; options are Inductor's
+        if "mode" not in kwargs and kwargs.get("backend", "inductor") == "inductor":
             kwargs.setdefault("options", {"allow_buffer_reuse": False})
         new._call_fn = torch.compile(self._step, **kwargs)
         new._sum_fn = torch.compile(self._clipped_sum, **kwargs)
@@ -325,19 +327,9 @@ class DPTrainStep:
             >>> int(state.step), acct.history
             (1, ((1.0, 0.1, 1),))
         """
-        device = state.step.device
         if not chunks:
             raise ValueError("DPTrainStep.run: chunks is empty; pass PoissonSampler.sample(step)")
-        if len(chunks) == 1:
-            idx, valid = chunks[0]
-            state, metrics = self(state, get_batch(idx.to(device)), valid.to(device))
-        else:
-            total = None
-            for idx, valid in chunks:
-                part = self.clipped_sum(state, get_batch(idx.to(device)), valid.to(device))
-                total = part if total is None else self.add(total, part)
-            assert total is not None
-            state, metrics = self.apply(state, total)
+        state, metrics = run_chunks(self, self.clipped_sum, self.apply, state, chunks, get_batch)
         if accountant is not None:
             accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
         return state, metrics
@@ -411,3 +403,25 @@ def make_dp_train_step(
     thresholds, total = _layer_thresholds(ghost, max_grad_norm, clipping)
     return DPTrainStep(ghost, loss_fn, optimizer, noise_multiplier=sigma, sample_rate=q,
                        dataset_size=dataset_size, thresholds=thresholds, total=total)
+
+
+def run_chunks(one_step: Callable[..., tuple[DPState, dict[str, Tensor]]],
+               clipped_sum: Callable[..., ClippedSum],
+               apply: Callable[[DPState, ClippedSum], tuple[DPState, dict[str, Tensor]]],
+               state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
+               get_batch: Callable[[Tensor], tuple[Any, Any]]
+               ) -> tuple[DPState, dict[str, Tensor]]:
+    """One logical DP step over physical ``chunks`` of ``(indices, valid)``: the fused
+    ``one_step(state, batch, valid)`` for a single chunk, else ``clipped_sum`` per chunk, summed
+    with :meth:`DPTrainStep.add`, then ``apply`` (the same result). Shared by
+    :meth:`DPTrainStep.run` and the distributed step."""
+    device = state.step.device
+    if len(chunks) == 1:
+        idx, valid = chunks[0]
+        return one_step(state, get_batch(idx.to(device)), valid.to(device))
+    total = None
+    for idx, valid in chunks:
+        part = clipped_sum(state, get_batch(idx.to(device)), valid.to(device))
+        total = part if total is None else DPTrainStep.add(total, part)
+    assert total is not None
+    return apply(state, total)
