@@ -108,7 +108,12 @@ def make_ensemble_train_step(
     (``"error"``, ``"different"``: per-member dropout masks, ``"same"``); ``seed_rng`` seeds
     eager steps from ``(state.seed, state.step)`` (module docstring). ``metrics``: ``loss`` and
     ``grad_norm``, both ``(N,)``. No host syncs: ``torch.compile(step, fullgraph=True)`` traces
-    once and does not recompile across steps.
+    once and does not recompile across steps. With CUDA graphs (``mode="reduce-overhead"``) the
+    returned tensors live in the graphs' memory pool, which the next call reuses, yet they are
+    the next call's inputs: clone the state after each call
+    (``state = optree.tree_map(torch.clone, state)``, kept metrics too) and keep
+    ``state.step``/``state.seed`` on the GPU (an op on the CPU keeps the graph out of CUDA
+    graphs).
 
     Example:
         >>> import torch

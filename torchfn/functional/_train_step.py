@@ -324,6 +324,12 @@ def make_train_step(
     norm before clipping), ``lr`` if asked, and for fp16 ``loss_scale`` (after this step) and
     ``skipped`` (bool).
 
+    CUDA graphs (``torch.compile(step, mode="reduce-overhead")``): the returned tensors live in
+    the graphs' memory pool, which the next call reuses, yet the state is the next call's
+    input; clone it after each call (``state = optree.tree_map(torch.clone, state)``, kept
+    metrics too) and move ``state.step``/``state.seed`` to the GPU (an op on the CPU keeps the
+    graph out of CUDA graphs; ``step_rng`` then syncs to read them).
+
     Example:
         >>> import torch
         >>> from torchfn.functional import adam, init_train_state, make_train_step
