@@ -165,8 +165,12 @@ class TorchfnStep:
 
         def run() -> None:
             if mark is not None:
+                # CUDA graphs: the outputs live in the graphs' pool, which the next replay
+                # reuses, yet they are the next inputs -> clone the state (one extra copy)
                 mark()
-            holder[0], _ = self.step(holder[0], (x, y))
+                holder[0] = optree.tree_map(torch.clone, self.step(holder[0], (x, y))[0])
+            else:
+                holder[0], _ = self.step(holder[0], (x, y))
         out = timeit(run, lambda: sync(device), reps)
         out["loss_finite"] = bool(torch.isfinite(
             holder[0].params[next(iter(holder[0].params))]).all())

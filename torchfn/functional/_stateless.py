@@ -10,13 +10,6 @@ the new tensor there), and restores the placeholders in ``finally``. Nothing the
 owns is written, so the same code runs eagerly, under ``vmap``/``grad``/``grad`` of
 ``grad`` and under ``torch.compile(fullgraph=True)`` (the slot swaps are Python side
 effects Dynamo replays; no graph breaks).
-
-Compiled callers pay for Dynamo's guards on every call, so what a traced call reads from the
-FunctionalModel is kept small: the layout is checked against ONE precomputed string (one
-guard, not one per key, shape entry, dtype and device), and slot owners are found from the
-given keys along the path forward() walks (no guards on per-slot bookkeeping). The module tree
-itself stays guarded, so nothing about the model can change under a compiled graph unnoticed;
-through the API nothing can change at all (``train()``/``eval()`` return new objects).
 """
 
 from __future__ import annotations
@@ -91,47 +84,26 @@ class FunctionalModel:
         self._layout = layout
         self.param_names: tuple[str, ...] = tuple(layout.param_specs)
         self.buffer_names: tuple[str, ...] = tuple(layout.buffer_specs)
-        # (primary name, owner module, attribute) for every alias of every tensor (eager calls).
-        self._param_slots = tuple(
+        # (primary name, owner module, attribute) for every alias of every tensor.
+        self._param_slots = [
             (primary, *_owner(module, name))
             for primary, names in layout.param_aliases.items()
             for name in names
-        )
-        self._buffer_slots = tuple(
+        ]
+        self._buffer_slots = [
             (primary, *_owner(module, name))
             for primary, names in layout.buffer_aliases.items()
             for name in names
-        )
-        # The names of tied tensors beyond their first (primary) name: (primary, alias). While
-        # compiling, a call finds each slot's owner from the *given* keys (and these) by walking
-        # ``self._module`` -- the path forward() takes -- so Dynamo guards no per-slot
-        # bookkeeping: the keys are guarded with the inputs anyway, and the walk reuses
-        # forward's guards on the submodules.
-        self._param_ties = tuple(
-            (primary, name)
-            for primary, names in layout.param_aliases.items()
-            for name in names[1:]
-        )
-        self._buffer_ties = tuple(
-            (primary, name)
-            for primary, names in layout.buffer_aliases.items()
-            for name in names[1:]
-        )
+        ]
         # torch's own norm layers (replace_batchnorm=False) update running stats in place:
         # give them private clones so the caller's tensors are never written.
         self._cloned_buffers = frozenset(
             primary
-            for primary, names in layout.buffer_aliases.items()
-            for name in names
-            if isinstance(owner := _owner(module, name)[0], nn.modules.batchnorm._NormBase)
+            for primary, owner, _ in self._buffer_slots
+            if isinstance(owner, nn.modules.batchnorm._NormBase)
             and owner.training
             and owner.track_running_stats
         )
-        # What valid (params, buffers) look like, as one string: a compiled caller compares it
-        # with the inputs' signature while tracing, which Dynamo guards with ONE string guard
-        # instead of a guard per key, shape entry, dtype and device of the layout. The layout
-        # never changes after make_functional (train()/eval() build a new FunctionalModel).
-        self._signature = _layout_signature(layout)
 
     @property
     def training(self) -> bool:
@@ -172,38 +144,26 @@ class FunctionalModel:
         """Return ``(module(*args, **kwargs), new_buffers)`` computed with the given tensors."""
         self._check(params, buffers)
         placed: dict[str, Tensor] = {}
-        for name, b in buffers.items():
-            placed[name] = b.clone() if self._cloned_buffers and name in self._cloned_buffers else b
-        module = self._module
-        if torch.compiler.is_compiling():
-            # (primary, owner, attribute) of every slot; _check made the given keys the primaries
-            param_slots = [
-                (primary, *_walk(module, name))
-                for primary, name in (*((k, k) for k in params), *self._param_ties)
-            ]
-            buffer_slots = [
-                (primary, *_walk(module, name))
-                for primary, name in (*((k, k) for k in placed), *self._buffer_ties)
-            ]
-        else:
-            param_slots, buffer_slots = self._param_slots, self._buffer_slots
-        saved_params = [owner._parameters[attr] for _, owner, attr in param_slots]
-        saved_buffers = [owner._buffers[attr] for _, owner, attr in buffer_slots]
+        for name in self.buffer_names:
+            b = buffers[name]
+            placed[name] = b.clone() if name in self._cloned_buffers else b
+        saved_params = [owner._parameters[attr] for _, owner, attr in self._param_slots]
+        saved_buffers = [owner._buffers[attr] for _, owner, attr in self._buffer_slots]
         try:
-            for primary, owner, attr in param_slots:
+            for primary, owner, attr in self._param_slots:
                 owner._parameters[attr] = params[primary]
-            for primary, owner, attr in buffer_slots:
+            for primary, owner, attr in self._buffer_slots:
                 owner._buffers[attr] = placed[primary]
-            outputs = module(*args, **kwargs)
+            outputs = self._module(*args, **kwargs)
             new_buffers = dict(placed)
-            for primary, owner, attr in buffer_slots:
+            for primary, owner, attr in self._buffer_slots:
                 current = owner._buffers[attr]
                 if current is not placed[primary]:
                     new_buffers[primary] = current
         finally:
-            for (_, owner, attr), old in zip(param_slots, saved_params, strict=True):
+            for (_, owner, attr), old in zip(self._param_slots, saved_params, strict=True):
                 owner._parameters[attr] = old
-            for (_, owner, attr), old in zip(buffer_slots, saved_buffers, strict=True):
+            for (_, owner, attr), old in zip(self._buffer_slots, saved_buffers, strict=True):
                 owner._buffers[attr] = old
         return outputs, new_buffers
 
@@ -242,11 +202,6 @@ class FunctionalModel:
     # -- validation -------------------------------------------------------------------------
 
     def _check(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> None:
-        if torch.compiler.is_compiling() and _matches_signature(params, buffers, self._signature):
-            # Tracing: the inputs match the layout. Dynamo guards the inputs' keys, shapes,
-            # dtypes and devices anyway, so this holds for every call that reuses the graph;
-            # a mismatch (or another key order) takes the full check below.
-            return
         layout = self._layout
         _check_dict("params", params, layout.param_specs, layout.param_aliases, layout.buffer_specs)
         _check_dict(
@@ -257,74 +212,6 @@ class FunctionalModel:
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     prefix, _, attr = name.rpartition(".")
     return module.get_submodule(prefix), attr
-
-
-def _walk(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """Return ``(owner, attribute)`` of the dotted parameter/buffer ``name`` (fast, no checks)."""
-    *path, attr = name.split(".")
-    for part in path:
-        module = module._modules[part]
-    return module, attr
-
-
-def _signature(params: Any, buffers: Any) -> str:
-    """Return ``"<entries>#<shapes>"``: each (key, dtype kind, device), then each shape.
-
-    ``params``/``buffers`` are lists of ``(key, dtype, device)``; shapes are not in them (a
-    compiled caller may see symbolic sizes) -- :func:`_layout_signature` appends those.
-    """
-    parts = []  # a list, not a generator: Dynamo traces str.join over a list
-    for what, entries in (("p", params), ("b", buffers)):
-        for key, dtype, device in entries:
-            parts.append(f"{what}:{key!r}:{_dtype_kind(dtype)}:{device}")
-    return "|".join(parts)
-
-
-def _layout_signature(layout: _Layout) -> str:
-    """Return :func:`_signature` of ``layout`` plus ``#`` and its shapes (``s8x4;s8;s``)."""
-    specs = [*layout.param_specs.values(), *layout.buffer_specs.values()]
-    shapes = ";".join("s" + "x".join(str(d) for d in spec.shape) for spec in specs)
-    head = _signature(
-        [(k, s.dtype, s.device) for k, s in layout.param_specs.items()],
-        [(k, s.dtype, s.device) for k, s in layout.buffer_specs.items()],
-    )
-    return f"{head}#{shapes}"
-
-
-def _matches_signature(params: Any, buffers: Any, signature: str) -> bool:
-    """Whether the given dicts fit ``signature`` (:func:`_layout_signature`), keys in order.
-
-    Meant for tracing: everything read from ``signature`` is a constant, so Dynamo guards
-    only that one string; sizes are compared as numbers (symbolic sizes specialize, as in
-    the full check).
-    """
-    for given in (params, buffers):
-        if not isinstance(given, Mapping):
-            return False
-        for t in given.values():
-            if not isinstance(t, Tensor):
-                return False
-    head, _, shapes = signature.rpartition("#")
-    given_head = _signature(
-        [(k, t.dtype, t.device) for k, t in params.items()],
-        [(k, t.dtype, t.device) for k, t in buffers.items()],
-    )
-    if given_head != head:
-        return False
-    expected = [
-        tuple(int(d) for d in part[1:].split("x")) if part != "s" else ()
-        for part in (shapes.split(";") if shapes else [])
-    ]
-    tensors = [*params.values(), *buffers.values()]
-    if len(tensors) != len(expected):
-        return False
-    for t, shape in zip(tensors, expected, strict=True):
-        if t.dim() != len(shape):
-            return False
-        for size, want in zip(t.shape, shape, strict=True):
-            if size != want:
-                return False
-    return True
 
 
 def _check_dict(
