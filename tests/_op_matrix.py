@@ -24,6 +24,8 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 MODES = ("eager", "compiled")
 DIFFS = ("backward", "grad", "vmap_grad", "grad_grad")
@@ -160,3 +162,17 @@ def need_device(kernels: dict, device: str) -> None:
     assert device in kernels["devices"], (
         f"no {device} kernels were built ({kernels['cuda_reason']})"
     )
+
+
+class OpLog(TorchDispatchMode):
+    """Records ``(op name, largest numel among its tensor arguments and results)`` per op run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor)]
+        self.ops.append((func._schema.name, max(sizes, default=0)))
+        return out

@@ -15,11 +15,9 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES
+from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES, OpLog
 from _op_matrix import need_device as _need_device
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from torchfn import ops
 from torchfn.ops import _dispatch, _ghost, reference
@@ -562,20 +560,6 @@ def test_eager_backward_runs_through_the_functions(kernels):
         "_ClippedSumFn")
 
 
-class _OpLog(TorchDispatchMode):
-    """Records ``(op name, largest numel among its tensor arguments and results)`` per op run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor)]
-        self.ops.append((func._schema.name, max(sizes, default=0)))
-        return out
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("time", "method"), [(None, "gram"), (24, "gram"), (24, "materialize")])
@@ -589,7 +573,7 @@ def test_public_forward_backward_runs_only_the_two_kernels(kernels, device, dtyp
     a, g = (x.to(device, dtype) for x in _pair(6, time, 40, 32, seed=21))
     w = torch.linspace(0.5, 1.5, 6, device=device, dtype=dtype)
     leaves = [x.clone().requires_grad_(True) for x in (a, g)]
-    with _OpLog() as log:
+    with OpLog() as log:
         grads = torch.autograd.grad(ops.linear_grad_norms_sq(*leaves, method=method), leaves, w)
     assert log.ops == [("torchfn::linear_grad_norms_sq", log.ops[0][1]),
                        ("torchfn::linear_grad_norms_sq_backward", log.ops[1][1])], log.ops

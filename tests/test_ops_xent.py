@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES
+from _op_matrix import DEVICES, DIFFS, MODES, TOLERANCES, OpLog
 from _op_matrix import need_device as _need_device
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from torchfn import ops
 from torchfn.ops import _dispatch, _xent, reference
@@ -428,20 +426,6 @@ def test_eager_derivatives_run_on_the_kernels(kernels, device):
     assert "LogSoftmaxBackward0" not in _graph_names(h)
 
 
-class _OpLog(TorchDispatchMode):
-    """Records ``(op name, largest numel among its tensor arguments and results)`` per op run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        self.ops.append((func._schema.name, max(sizes, default=0)))
-        return out
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -456,7 +440,7 @@ def test_public_forward_backward_runs_the_two_kernels_over_the_logits(kernels, d
     n, c = 12, 40
     x, t = _data(n, c, dtype, device, seed=31)
     leaf = x.clone().requires_grad_(True)
-    with _OpLog() as log:
+    with OpLog() as log:
         loss = ops.softmax_cross_entropy(leaf, t, reduction=reduction)
         (got,) = torch.autograd.grad(loss, leaf, torch.ones_like(loss))
     assert [name for name, size in log.ops if size > n] == [
