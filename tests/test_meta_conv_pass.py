@@ -100,7 +100,10 @@ def test_inductor_with_the_pass_equals_eager():
 
     f, params = _meta_grad_fn(2)
     tasks = _tasks()
-    got = torch.compile(f, fullgraph=True,
-                        options={"post_grad_custom_pre_pass": Counting()})(params, tasks)
+    # no on-disk caches: a cached graph (same pass uuid, from an earlier run) skips the pass
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        got = torch.compile(f, fullgraph=True,
+                            options={"post_grad_custom_pre_pass": Counting(),
+                                     "fx_graph_cache": False})(params, tasks)
     _assert_close(got, f(params, tasks))
     assert sum(counts) == 2
