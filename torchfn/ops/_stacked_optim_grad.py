@@ -10,12 +10,12 @@ vmap helpers that fold a vmapped axis into the member axis.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchfn.ops.reference import _inv_bias_corrections, _opmath, _per_member
+from torchfn.ops.reference import _adam_parts, _per_member, _sgd_parts
 
 # ---------------------------------------------------------------------------------------------
 # Derivatives, in plain torch ops (differentiable again, so every order works)
@@ -32,39 +32,6 @@ def _zeros_like_work(x: Tensor, work: torch.dtype) -> Tensor:
     return torch.zeros(x.shape, dtype=work, device=x.device)
 
 
-class _AdamParts(NamedTuple):
-    g: Tensor  # the effective gradient (sign, L2 term applied), compute dtype
-    p: Tensor | None
-    lr: Tensor  # broadcastable per-member tensors
-    wd: Tensor | None
-    inv_bc1: Tensor
-    inv_bc2: Tensor
-    m: Tensor  # new moments
-    s: Tensor  # sqrt(nu'/bc2 + eps_root)
-    d: Tensor  # s + eps
-    dir: Tensor  # (m/bc1) / d
-
-
-def _adam_parts(saved: tuple[Any, ...], hyper: tuple[Any, ...]) -> _AdamParts:
-    grad, mu, nu, param, count, lr, wd = saved
-    beta1, beta2, eps, eps_root, decoupled, maximize = hyper
-    work, nd = _opmath(grad.dtype), grad.ndim
-    lr_b = _per_member(lr, nd, work)
-    wd_b = None if wd is None else _per_member(wd, nd, work)
-    inv_bc1, inv_bc2 = _inv_bias_corrections(count, beta1, beta2, nd, work)
-    g = grad.to(work)
-    if maximize:
-        g = -g
-    p = None if param is None else param.to(work)
-    if wd_b is not None and not decoupled:
-        g = g + wd_b * p
-    m = mu.to(work) * beta1 + (1.0 - beta1) * g
-    v = nu.to(work) * beta2 + (1.0 - beta2) * (g * g)
-    s = torch.sqrt(v * inv_bc2 + eps_root)
-    d = s + eps
-    return _AdamParts(g, p, lr_b, wd_b, inv_bc1, inv_bc2, m, s, d, (m * inv_bc1) / d)
-
-
 def _adam_vjp(
     saved: tuple[Any, ...],
     hyper: tuple[Any, ...],
@@ -77,17 +44,18 @@ def _adam_vjp(
     grad, mu, nu, param, _count, lr, wd = saved
     beta1, beta2, _eps, _eps_root, decoupled, maximize = hyper
     x = _adam_parts(saved, hyper)
+    dir_ = x.dir
     work = x.g.dtype
     gu, gm, gv = gu.to(work), gm.to(work), gv.to(work)
     g_dir = -x.lr * gu
     g_m = gm + g_dir * x.inv_bc1 / x.d
-    g_v = gv + (-g_dir * x.dir / x.d) * x.inv_bc2 / (2.0 * x.s)
+    g_v = gv + (-g_dir * dir_ / x.d) * x.inv_bc2 / (2.0 * x.s)
     g_g = (1.0 - beta1) * g_m + (2.0 * (1.0 - beta2)) * x.g * g_v
     d_grad = (-g_g if maximize else g_g).to(grad.dtype) if needs[0] else None
     d_mu = (beta1 * g_m).to(mu.dtype) if needs[1] else None
     d_nu = (beta2 * g_v).to(nu.dtype) if needs[2] else None
     d_param = d_lr = d_wd = None
-    lr_term = -gu * x.dir
+    lr_term = -gu * dir_
     if wd is not None and not decoupled:
         if needs[3]:
             d_param = (x.wd * g_g).to(param.dtype)
@@ -112,6 +80,7 @@ def _adam_jvp(
     beta1, beta2, _eps, _eps_root, decoupled, maximize = hyper
     t_grad, t_mu, t_nu, t_param, _t_count, t_lr, t_wd = tangents
     x = _adam_parts(saved, hyper)
+    dir_ = x.dir
     work, nd = x.g.dtype, grad.ndim
     t_g = _zeros_like_work(grad, work)
     if t_grad is not None:
@@ -130,10 +99,10 @@ def _adam_jvp(
     if t_nu is not None:
         t_v = t_v + beta2 * t_nu.to(work)
     t_s = t_v * x.inv_bc2 / (2.0 * x.s)
-    t_dir = t_m * x.inv_bc1 / x.d - x.dir * t_s / x.d
+    t_dir = t_m * x.inv_bc1 / x.d - dir_ * t_s / x.d
     t_u = -x.lr * t_dir
     if t_lr is not None:
-        t_u = t_u - _per_member(t_lr, nd, work) * x.dir
+        t_u = t_u - _per_member(t_lr, nd, work) * dir_
     if wd is not None and decoupled:
         if t_lr is not None:
             t_u = t_u - _per_member(t_lr, nd, work) * x.wd * x.p
@@ -142,36 +111,6 @@ def _adam_jvp(
         if t_p is not None:
             t_u = t_u - x.lr * x.wd * t_p
     return t_u.to(grad.dtype), t_m.to(mu.dtype), t_v.to(nu.dtype)
-
-
-class _SgdParts(NamedTuple):
-    g: Tensor
-    p: Tensor | None
-    lr: Tensor
-    wd: Tensor | None
-    first: Tensor | None  # per-member bool: first step (count <= 1)
-    b: Tensor | None  # new buffer
-    d: Tensor  # direction: update = -lr * d
-
-
-def _sgd_parts(saved: tuple[Any, ...], hyper: tuple[Any, ...]) -> _SgdParts:
-    grad, buf, param, count, lr, wd = saved
-    momentum, dampening, nesterov, maximize = hyper
-    work, nd = _opmath(grad.dtype), grad.ndim
-    lr_b = _per_member(lr, nd, work)
-    wd_b = None if wd is None else _per_member(wd, nd, work)
-    p = None if param is None else param.to(work)
-    g = grad.to(work)
-    if maximize:
-        g = -g
-    if wd_b is not None:
-        g = g + wd_b * p
-    if buf is None:
-        return _SgdParts(g, p, lr_b, wd_b, None, None, g)
-    first = _per_member(count, nd, count.dtype) <= 1
-    b = torch.where(first, g, momentum * buf.to(work) + (1.0 - dampening) * g)
-    d = g + momentum * b if nesterov else b
-    return _SgdParts(g, p, lr_b, wd_b, first, b, d)
 
 
 def _sgd_vjp(

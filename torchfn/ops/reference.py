@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -212,6 +214,78 @@ def _inv_bias_corrections(
     return inv1, inv2
 
 
+# The forward of one step, with the intermediates the derivatives in _stacked_optim_grad reuse;
+# ``saved`` = (grad, moments..., param, count, lr, weight_decay), ``hyper`` = the float flags.
+
+
+class _AdamParts(NamedTuple):
+    g: Tensor  # the effective gradient (sign, L2 term applied), compute dtype
+    p: Tensor | None
+    lr: Tensor  # broadcastable per-member tensors
+    wd: Tensor | None
+    inv_bc1: Tensor
+    inv_bc2: Tensor
+    m: Tensor  # new moments
+    v: Tensor
+    s: Tensor  # sqrt(nu'/bc2 + eps_root)
+    d: Tensor  # s + eps
+
+    @property
+    def dir(self) -> Tensor:
+        """(m/bc1) / d (computed on use: the forward twin does not need it)."""
+        return (self.m * self.inv_bc1) / self.d
+
+
+def _adam_parts(saved: tuple[Any, ...], hyper: tuple[Any, ...]) -> _AdamParts:
+    grad, mu, nu, param, count, lr, wd = saved
+    beta1, beta2, eps, eps_root, decoupled, maximize = hyper
+    work, nd = _opmath(grad.dtype), grad.ndim
+    lr_b = _per_member(lr, nd, work)
+    wd_b = None if wd is None else _per_member(wd, nd, work)
+    inv_bc1, inv_bc2 = _inv_bias_corrections(count, beta1, beta2, nd, work)
+    g = grad.to(work)
+    if maximize:
+        g = -g
+    p = None if param is None else param.to(work)
+    if wd_b is not None and not decoupled:
+        g = g + wd_b * p
+    m = mu.to(work) * beta1 + (1.0 - beta1) * g
+    v = nu.to(work) * beta2 + (1.0 - beta2) * (g * g)
+    s = torch.sqrt(v * inv_bc2 + eps_root)
+    d = s + eps
+    return _AdamParts(g, p, lr_b, wd_b, inv_bc1, inv_bc2, m, v, s, d)
+
+
+class _SgdParts(NamedTuple):
+    g: Tensor
+    p: Tensor | None
+    lr: Tensor
+    wd: Tensor | None
+    first: Tensor | None  # per-member bool: first step (count <= 1)
+    b: Tensor | None  # new buffer
+    d: Tensor  # direction: update = -lr * d
+
+
+def _sgd_parts(saved: tuple[Any, ...], hyper: tuple[Any, ...]) -> _SgdParts:
+    grad, buf, param, count, lr, wd = saved
+    momentum, dampening, nesterov, maximize = hyper
+    work, nd = _opmath(grad.dtype), grad.ndim
+    lr_b = _per_member(lr, nd, work)
+    wd_b = None if wd is None else _per_member(wd, nd, work)
+    p = None if param is None else param.to(work)
+    g = grad.to(work)
+    if maximize:
+        g = -g
+    if wd_b is not None:
+        g = g + wd_b * p
+    if buf is None:
+        return _SgdParts(g, p, lr_b, wd_b, None, None, g)
+    first = _per_member(count, nd, count.dtype) <= 1
+    b = torch.where(first, g, momentum * buf.to(work) + (1.0 - dampening) * g)
+    d = g + momentum * b if nesterov else b
+    return _SgdParts(g, p, lr_b, wd_b, first, b, d)
+
+
 def stacked_adam_update(
     grad: Tensor,
     mu: Tensor,
@@ -245,24 +319,12 @@ def stacked_adam_update(
         >>> u[:, 0]  # the first Adam step has magnitude lr
         tensor([-0.1000, -0.2000])
     """
-    work = _opmath(grad.dtype)
-    nd = grad.ndim
-    lr_b = _per_member(lr, nd, work)
-    wd_b = None if weight_decay is None else _per_member(weight_decay, nd, work)
-    inv_bc1, inv_bc2 = _inv_bias_corrections(count, beta1, beta2, nd, work)
-    g = grad.to(work)
-    if maximize:
-        g = -g
-    p = None if param is None else param.to(work)
-    if wd_b is not None and not decoupled:
-        g = g + wd_b * p
-    m = mu.to(work) * beta1 + (1.0 - beta1) * g
-    v = nu.to(work) * beta2 + (1.0 - beta2) * (g * g)
-    denom = torch.sqrt(v * inv_bc2 + eps_root) + eps
-    u = -(lr_b * (m * inv_bc1)) / denom
-    if wd_b is not None and decoupled:
-        u = u - lr_b * wd_b * p
-    return u.to(grad.dtype), m.to(mu.dtype), v.to(nu.dtype)
+    x = _adam_parts((grad, mu, nu, param, count, lr, weight_decay),
+                    (beta1, beta2, eps, eps_root, decoupled, maximize))
+    u = -(x.lr * (x.m * x.inv_bc1)) / x.d
+    if x.wd is not None and decoupled:
+        u = u - x.lr * x.wd * x.p
+    return u.to(grad.dtype), x.m.to(mu.dtype), x.v.to(nu.dtype)
 
 
 def stacked_sgd_update(
@@ -291,17 +353,7 @@ def stacked_sgd_update(
         >>> u[:, 0]
         tensor([-0.1000, -0.2000])
     """
-    work = _opmath(grad.dtype)
-    nd = grad.ndim
-    lr_b = _per_member(lr, nd, work)
-    g = grad.to(work)
-    if maximize:
-        g = -g
-    if weight_decay is not None:
-        g = g + _per_member(weight_decay, nd, work) * param.to(work)  # type: ignore[union-attr]
-    if momentum_buffer is None:
-        return (-(lr_b * g)).to(grad.dtype), None
-    first = _per_member(count, nd, count.dtype) <= 1
-    b = torch.where(first, g, momentum * momentum_buffer.to(work) + (1.0 - dampening) * g)
-    d = g + momentum * b if nesterov else b
-    return (-(lr_b * d)).to(grad.dtype), b.to(momentum_buffer.dtype)
+    x = _sgd_parts((grad, momentum_buffer, param, count, lr, weight_decay),
+                   (momentum, dampening, nesterov, maximize))
+    u = (-(x.lr * x.d)).to(grad.dtype)
+    return u, (None if momentum_buffer is None else x.b.to(momentum_buffer.dtype))  # type: ignore[union-attr]
