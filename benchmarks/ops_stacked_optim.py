@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ops import _timer, copy_bandwidth  # benchmarks/ops.py
+
 from torchfn import ops
 from torchfn.ops import _dispatch, reference
 from torchfn.ops import _stacked_optim as so
@@ -42,28 +43,6 @@ from torchfn.ops import _stacked_optim as so
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _timer(device: torch.device, fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on CUDA, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    _sync(device)
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _wall(device: torch.device, fn: Callable[[], object], warmup: int, iters: int) -> float:
@@ -76,13 +55,6 @@ def _wall(device: torch.device, fn: Callable[[], object], warmup: int, iters: in
         fn()
     _sync(device)
     return (time.perf_counter() - t0) * 1e3 / iters
-
-
-def copy_bandwidth(device: torch.device, numel: int, warmup: int, repeats: int) -> float:
-    src = torch.randn(numel, device=device)
-    dst = torch.empty_like(src)
-    ms = _timer(device, lambda: dst.copy_(src), warmup, repeats)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
 def leaf_rows(args: argparse.Namespace, device: torch.device, copy_gbs: float) -> list[dict]:
