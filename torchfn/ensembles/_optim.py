@@ -23,6 +23,7 @@ from torchopt.typing import OptState, Params, Updates
 
 from torchfn.ensembles._build import _fmt
 from torchfn.ops import StackedAdamState, StackedSgdState, stacked_adam, stacked_sgd
+from torchfn.ops._stacked_optimizers import _count_device, _flatten_update
 
 __all__ = ["per_member_adam", "per_member_sgd"]
 
@@ -117,22 +118,6 @@ def _zeros_state(params: Params, moment_dtype: torch.dtype | None) -> Params:
     return optree.tree_map(zero, params)
 
 
-def _count_device(params: Params) -> torch.device:
-    leaves = optree.tree_leaves(params)
-    return leaves[0].device if leaves else torch.device("cpu")
-
-
-def _flatten_update(fn: str, updates: Updates, params: Params | None, *, needs_params: bool
-                    ) -> tuple[Any, list[Any], list[Any]]:
-    """(tree spec, gradient leaves, parameter leaves or Nones) for an update call."""
-    if needs_params and params is None:
-        raise ValueError(f"{fn}.update(updates, state, params): weight decay needs the "
-                         "parameters; call update(grads, state, params=params)")
-    spec = optree.tree_structure(updates, none_is_leaf=True)
-    grads = spec.flatten_up_to(updates)
-    return spec, grads, (spec.flatten_up_to(params) if params is not None else [None] * len(grads))
-
-
 def _lr_now(lr: Any, count: Tensor) -> Hyper:
     return lr(count) if callable(lr) else lr
 
@@ -200,7 +185,8 @@ def per_member_sgd(
     def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
                   inplace: bool = True) -> tuple[Updates, OptState]:
         del inplace  # always out-of-place
-        spec, grads, ps = _flatten_update(fn, updates, params, needs_params=not no_decay)
+        _, spec, grads, ps = _flatten_update(fn, updates, params, no_decay)
+        ps = ps if ps is not None else [None] * len(grads)
         bufs = spec.flatten_up_to(state.momentum_buffer) if use_buf else [None] * len(grads)
         lr_t = _lr_now(lr, state.count)
         first = state.count == 0
@@ -290,7 +276,8 @@ def per_member_adam(
     def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
                   inplace: bool = True) -> tuple[Updates, OptState]:
         del inplace  # always out-of-place
-        spec, grads, ps = _flatten_update(fn, updates, params, needs_params=not no_decay)
+        _, spec, grads, ps = _flatten_update(fn, updates, params, no_decay)
+        ps = ps if ps is not None else [None] * len(grads)
         mus, nus = spec.flatten_up_to(state.mu), spec.flatten_up_to(state.nu)
         lr_t = _lr_now(lr, state.count)
         count = state.count + 1
