@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from torchfn.data._samplers import _check_rank
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
 from torchfn.functional._accountant import RDPAccountant
@@ -57,9 +58,7 @@ def shard_poisson_sample(sampler: PoissonSampler, step: int, *, rank: int, world
         >>> n == int(s.mask(0).sum())
         True
     """
-    if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
-        raise ValueError(f"shard_poisson_sample(rank={rank!r}, world_size={world_size!r}): "
-                         "expected 0 <= rank < world_size")
+    _check_rank(world_size, rank, "shard_poisson_sample")
     size = sampler.physical_batch_size if physical_batch_size is None else physical_batch_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"shard_poisson_sample(physical_batch_size=...): expected an int >= 1, "

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
+from torchfn.data._samplers import _check_rank
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import all_gather_tree
 from torchfn.ensembles._build import ensemble_apply, n_members
@@ -48,9 +49,7 @@ def member_range(n: int, *, rank: int, world_size: int) -> range:
         >>> member_range(8, rank=1, world_size=2)
         range(4, 8)
     """
-    if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
-        raise ValueError(f"member_range(rank={rank!r}, world_size={world_size!r}): expected "
-                         "0 <= rank < world_size")
+    _check_rank(world_size, rank, "member_range")
     if n % world_size:
         raise ValueError(f"member_range(n={n}, world_size={world_size}): {n} members cannot be "
                          f"split evenly over {world_size} ranks; use a multiple of "

@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
+from torchfn.data._samplers import _check_rank
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
 from torchfn.functional._train_step import TrainState
@@ -35,9 +36,7 @@ def shard_tasks(tasks: Task, *, rank: int, world_size: int) -> Task:
         torch.Size([4, 5, 1])
     """
     n = tasks.support_x.shape[0]
-    if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
-        raise ValueError(f"shard_tasks(rank={rank!r}, world_size={world_size!r}): expected "
-                         "0 <= rank < world_size")
+    _check_rank(world_size, rank, "shard_tasks")
     if n % world_size:
         raise ValueError(f"shard_tasks(tasks, world_size={world_size}): the meta-batch has "
                          f"{n} tasks, not divisible by the world size; use a meta-batch that "
