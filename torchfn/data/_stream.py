@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from ._plan import Policy, plan
+from ._samplers import _check_rank
 from ._shards import (
     _DTYPES,
     CorruptShardError,
@@ -135,11 +136,7 @@ class StreamingDataset(IterableDataset):
         dw, dr = _dist_layout()
         self.world_size = dw if world_size is None else world_size
         self.rank = dr if rank is None else rank
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(
-                f"StreamingDataset(rank={self.rank}, world_size={self.world_size}): expected "
-                "0 <= rank < world_size"
-            )
+        _check_rank(self.world_size, self.rank, "StreamingDataset")
         self.batch_size, self.batched, self.seed = batch_size, batched, seed
         self.shuffle, self.shuffle_buffer, self.policy = shuffle, shuffle_buffer, policy
         self.transform, self.batch_transform = transform, batch_transform
