@@ -23,19 +23,13 @@ from torchopt.typing import OptState, Params, Updates
 
 from torchfn.ensembles._build import _fmt
 from torchfn.ops import StackedAdamState, StackedSgdState, stacked_adam, stacked_sgd
+from torchfn.ops._stacked_optim import _LOW
 from torchfn.ops._stacked_optimizers import _count_device, _flatten_update
+from torchfn.ops.reference import _opmath
 
 __all__ = ["per_member_adam", "per_member_sgd"]
 
 Hyper = float | Tensor
-
-
-def _low(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float16, torch.bfloat16)
-
-
-def _work(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_value(fn: str, name: str, value: Any, lo: float, hi: float | None,
@@ -113,7 +107,7 @@ def _resolve_fused(fn: str, fused: bool | str, can_fuse: bool, why: str) -> bool
 
 def _zeros_state(params: Params, moment_dtype: torch.dtype | None) -> Params:
     def zero(p: Tensor) -> Tensor:
-        dt = moment_dtype or (torch.float32 if _low(p.dtype) else p.dtype)
+        dt = moment_dtype or (torch.float32 if p.dtype in _LOW else p.dtype)
         return torch.zeros(p.shape, dtype=dt, device=p.device)
     return optree.tree_map(zero, params)
 
@@ -197,7 +191,7 @@ def per_member_sgd(
                 new_u.append(None)
                 new_b.append(b)
                 continue
-            work, nd = _work(g.dtype), g.ndim
+            work, nd = _opmath(g.dtype), g.ndim
             d = g.to(work)
             if maximize:
                 d = -d
@@ -290,7 +284,7 @@ def per_member_adam(
                 new_m.append(m0)
                 new_v.append(v0)
                 continue
-            work, nd = _work(g.dtype), g.ndim
+            work, nd = _opmath(g.dtype), g.ndim
             t = count.to(device=g.device, dtype=work)
             beta1, beta2 = _as(b1, work, nd), _as(b2, work, nd)
             lr_b = _as(lr_t, work, nd)
