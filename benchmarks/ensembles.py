@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
+from torchfn.functional import make_graphed_step
 from torchfn.ops import build_ops, ops_status, stacked_adam
 
 T0 = time.perf_counter()
@@ -132,6 +133,7 @@ class TorchfnStep:
         self.model_fn = Ensemble.from_seeds(on_device(sizes, device), seeds=[0]).model_fn
         self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
         step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt)
+        self.plain_step = step
         self.mode = mode
         if mode == "compiled":
             step = torch.compile(step, fullgraph=True)
@@ -158,8 +160,16 @@ class TorchfnStep:
             # by design, read by step_rng) goes to the GPU here; randomness="error" never
             # reads it inside the step
             state = optree.tree_map(lambda t: t.to(device), state)
-        holder = [state]
         x, y = batch_for(n, sizes, batch, device)
+        build_s = None
+        if self.mode == "graphed":
+            # torchfn.functional.make_graphed_step: compiled, captured as one CUDA graph, the
+            # state donated (updated in place); construction compiles and captures
+            t0 = time.perf_counter()
+            self.step = make_graphed_step(self.plain_step, state, (x, y))
+            sync(device)
+            build_s = time.perf_counter() - t0
+        holder = [state]
         mark = (torch.compiler.cudagraph_mark_step_begin if self.mode == "reduce-overhead"
                 else None)
 
@@ -172,6 +182,8 @@ class TorchfnStep:
             else:
                 holder[0], _ = self.step(holder[0], (x, y))
         out = timeit(run, lambda: sync(device), reps)
+        if build_s is not None:
+            out["first_call"] = build_s + out["first_call"]
         out["loss_finite"] = bool(torch.isfinite(
             holder[0].params[next(iter(holder[0].params))]).all())
         return out
@@ -295,6 +307,12 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=200.0,
                         help="seconds after which no new measurement starts")
     parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--no-reduce-overhead", action="store_true",
+                        help="skip the mode='reduce-overhead' variant")
+    parser.add_argument("--no-tensor-guards", action="store_true",
+                        help="skip the tensor-guards-only variant")
+    parser.add_argument("--curve", default="graphed", choices=("graphed", "compiled"),
+                        help="torchfn variant of the scaling curve (one compile per N)")
     parser.add_argument("--ns", default=None,
                         help="scaling N values, comma-separated (default 1,2,4,...,256)")
     parser.add_argument("--plot-from", default=None, metavar="RESULTS_JSON",
@@ -358,7 +376,10 @@ def main() -> None:
     for m, s in steps.items():
         side[f"torchfn_{m}"] = guarded(f"torchfn {m}", budget,
                                        lambda s=s: s.bench(n, sizes, batch, device, reps))
-    if device.type == "cuda":
+    gr = TorchfnStep(sizes, device, "graphed", n)
+    side["torchfn_graphed"] = guarded("torchfn make_graphed_step", budget,
+                                      lambda: gr.bench(n, sizes, batch, device, reps))
+    if device.type == "cuda" and not args.no_reduce_overhead:
         ro = TorchfnStep(sizes, device, "reduce-overhead", n)
         side["torchfn_compiled_cudagraphs"] = guarded(
             "torchfn compiled reduce-overhead", budget,
@@ -366,16 +387,17 @@ def main() -> None:
     if jax_step is not None:
         side["jax_vmap_optax"] = guarded("jax jit(vmap)+optax", budget,
                                          lambda: jax_step.bench(n, sizes, batch, reps))
-    if hasattr(torch.compiler, "keep_tensor_guards_unsafe"):
+    if hasattr(torch.compiler, "keep_tensor_guards_unsafe") and not args.no_tensor_guards:
         tg = TorchfnStep(sizes, device, "tensor-guards", n)
         side["torchfn_compiled_tensor_guards_only"] = guarded(
             "torchfn compiled, tensor guards only (unsafe)", budget,
             lambda: tg.bench(n, sizes, batch, device, reps))
     results["side_by_side"] = side
 
-    print("== scaling (torchfn compiled: a fresh static compile per N; N=" + str(n)
+    print(f"== scaling (torchfn {args.curve}: a fresh static compile per N; N=" + str(n)
           + " is the side-by-side run)", flush=True)
-    scaling: dict[str, dict[int, Any]] = {"torchfn_compiled": {}, "torchfn_eager": {},
+    curve = f"torchfn_{args.curve}"
+    scaling: dict[str, dict[int, Any]] = {curve: {}, "torchfn_eager": {},
                                           "jax_vmap_optax": {}, "torch_optim_loop": {}}
     # the cheap curves first, then one compile per N, in an order that keeps the curve's ends
     # if the budget runs out (vmap needs a concrete N, so every N is its own graph)
@@ -394,12 +416,12 @@ def main() -> None:
     order = sorted(ns, key=lambda k: (k not in (ns[0], ns[-1]), abs(math.log2(k / n))))
     for k in order:
         if k == n:
-            scaling["torchfn_compiled"][k] = side["torchfn_compiled"]
+            scaling[curve][k] = side[curve]
             continue
         print(f" N={k}", flush=True)
-        fresh = TorchfnStep(sizes, device, "compiled", k)
-        scaling["torchfn_compiled"][k] = guarded(
-            "torchfn compiled", budget, lambda k=k, f=fresh: f.bench(k, sizes, batch, device,
+        fresh = TorchfnStep(sizes, device, args.curve, k)
+        scaling[curve][k] = guarded(
+            f"torchfn {args.curve}", budget, lambda k=k, f=fresh: f.bench(k, sizes, batch, device,
                                                                      reps))
     scaling = {name: dict(sorted(c.items())) for name, c in scaling.items()}
     results["scaling"] = scaling
@@ -418,14 +440,15 @@ def main() -> None:
                     else f"{'-':>10}")
             row += f"{v['first_call']:>14.2f}"
         print(row)
-    comp = side.get("torchfn_compiled")
     goals = {}
-    if isinstance(comp, dict) and isinstance(loop, dict):
-        goals["compiled_vs_loop_speedup"] = loop["median"] / comp["median"]
-        goals["compiled_at_least_50x_loop"] = goals["compiled_vs_loop_speedup"] >= 50
-    if isinstance(comp, dict) and isinstance(jx, dict):
-        goals["jax_over_compiled_time_ratio"] = jx["median"] / comp["median"]
-        goals["compiled_at_least_as_fast_as_jax"] = comp["median"] <= jx["median"]
+    for variant in ("compiled", "graphed"):
+        comp = side.get(f"torchfn_{variant}")
+        if isinstance(comp, dict) and isinstance(loop, dict):
+            goals[f"{variant}_vs_loop_speedup"] = loop["median"] / comp["median"]
+            goals[f"{variant}_at_least_50x_loop"] = goals[f"{variant}_vs_loop_speedup"] >= 50
+        if isinstance(comp, dict) and isinstance(jx, dict):
+            goals[f"jax_over_{variant}_time_ratio"] = jx["median"] / comp["median"]
+            goals[f"{variant}_at_least_as_fast_as_jax"] = comp["median"] <= jx["median"]
     eager = side.get("torchfn_eager")
     if isinstance(eager, dict) and isinstance(loop, dict):
         goals["eager_vs_loop_speedup"] = loop["median"] / eager["median"]

@@ -17,6 +17,8 @@ backward, clipping, noise, update):
 - ``nonprivate-eager`` / ``nonprivate-compiled``: torchfn's ``make_train_step``;
 - ``dpsgd-eager`` / ``dpsgd-compiled``: torchfn's ``make_dp_train_step`` (ghost norms,
   book-keeping clipped sum, counter-based noise; ``DPTrainStep.compile()``);
+- ``nonprivate-graphed`` / ``dpsgd-graphed`` (CUDA only): the same two steps through
+  ``make_graphed_step`` (compiled, captured as one CUDA graph, state donated);
 - ``opacus-hooks``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (materialised per-sample
   gradients); ``opacus-ghost``: Opacus ``GradSampleModuleFastGradientClipping`` +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping`` (ghost clipping, two
@@ -63,6 +65,7 @@ from torchfn.functional import (
     make_dp_train_step,
     make_functional,
     make_ghost_model,
+    make_graphed_step,
     make_train_step,
     per_sample_grads,
     single_sample_fn,
@@ -165,12 +168,15 @@ def v_torch_eager(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Cal
     return step
 
 
-def v_nonprivate(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Callable[[], Any]:
+def v_nonprivate(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[[], Any]:
     model_fn, params, buffers = make_functional(model)
     opt = torchopt.sgd(LR)
     fn = make_train_step(model_fn, xent_mean, opt)
-    fn = torch.compile(fn, fullgraph=True) if compiled else fn
     box = [init_train_state(params, buffers, opt, seed=0)]
+    if mode == "graphed":
+        fn = make_graphed_step(fn, box[0], (x, y))
+    elif mode == "compiled":
+        fn = torch.compile(fn, fullgraph=True)
 
     def step() -> None:
         box[0], _ = fn(box[0], (x, y))
@@ -178,19 +184,25 @@ def v_nonprivate(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Call
     return step
 
 
-def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Callable[[], Any]:
+def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[[], Any]:
     ghost, params, buffers = make_ghost_model(model)
     fallback = [n for n, k in ghost.layer_kinds.items() if k == "fallback"]
     assert not fallback, f"layers on the vmap fallback: {fallback}"
     opt = torchopt.sgd(LR)
     dp = make_dp_train_step(ghost, xent_none, opt, noise_multiplier=SIGMA, max_grad_norm=CLIP,
                             sample_rate=x.shape[0] / DATASET, dataset_size=DATASET)
-    dp = dp.compile() if compiled else dp
     valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     box = [init_dp_state(params, buffers, opt, seed=0)]
+    fn: Callable[..., Any] = dp
+    if mode == "graphed":
+        # the options DPTrainStep.compile() uses (no Inductor buffer reuse, see its docstring)
+        fn = make_graphed_step(dp, box[0], (x, y), valid,
+                               compile={"options": {"allow_buffer_reuse": False}})
+    elif mode == "compiled":
+        fn = dp.compile()
 
     def step() -> None:
-        box[0], _ = dp(box[0], (x, y), valid)
+        box[0], _ = fn(box[0], (x, y), valid)
 
     return step
 
@@ -345,14 +357,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = cfgs[name]
         variants: list[tuple[str, Callable[[nn.Module, Tensor, Tensor], Callable[[], Any]]]] = [
             ("torch-eager", lambda m, x, y: v_torch_eager(m, x, y, False)),
-            ("nonprivate-eager", lambda m, x, y: v_nonprivate(m, x, y, False)),
-            ("dpsgd-eager", lambda m, x, y: v_dpsgd(m, x, y, False)),
+            ("nonprivate-eager", lambda m, x, y: v_nonprivate(m, x, y, "eager")),
+            ("dpsgd-eager", lambda m, x, y: v_dpsgd(m, x, y, "eager")),
             ("opacus-hooks", lambda m, x, y: v_opacus(m, x, y, False)),
             ("opacus-ghost", lambda m, x, y: v_opacus(m, x, y, True)),
         ]
         if not args.no_compile:
-            variants[2:2] = [("nonprivate-compiled", lambda m, x, y: v_nonprivate(m, x, y, True)),
-                             ("dpsgd-compiled", lambda m, x, y: v_dpsgd(m, x, y, True))]
+            variants[2:2] = [
+                ("nonprivate-compiled", lambda m, x, y: v_nonprivate(m, x, y, "compiled")),
+                ("dpsgd-compiled", lambda m, x, y: v_dpsgd(m, x, y, "compiled"))]
+            if device.type == "cuda":  # make_graphed_step: one CUDA graph per step
+                variants[4:4] = [
+                    ("nonprivate-graphed", lambda m, x, y: v_nonprivate(m, x, y, "graphed")),
+                    ("dpsgd-graphed", lambda m, x, y: v_dpsgd(m, x, y, "graphed"))]
         if name == "cnn":
             variants.append(("psg-torchfn-eager", lambda m, x, y: v_psg_torchfn(m, x, y, False)))
             if not args.no_compile:
@@ -396,7 +413,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _base(rows: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
-    mode = "compiled" if row["variant"].endswith("compiled") else "eager"
+    mode = row["variant"].rsplit("-", 1)[-1]
+    mode = mode if mode in ("compiled", "graphed") else "eager"
     for r in rows:
         if r["model"] == row["model"] and r["variant"] == f"nonprivate-{mode}":
             return r.get("median_ms")
@@ -426,6 +444,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for model in sorted({r["model"] for r in rows}):
         for a, b in [("dpsgd-compiled", "nonprivate-compiled"), ("dpsgd-eager", "nonprivate-eager"),
+                     ("dpsgd-graphed", "nonprivate-graphed"),
+                     ("dpsgd-graphed", "nonprivate-compiled"),
+                     ("dpsgd-graphed", "opacus-hooks"), ("dpsgd-graphed", "opacus-ghost"),
                      ("dpsgd-compiled", "torch-eager"), ("dpsgd-compiled", "opacus-ghost"),
                      ("dpsgd-compiled", "opacus-hooks"), ("dpsgd-eager", "opacus-ghost"),
                      ("psg-torchfn-compiled", "psg-jax"), ("psg-torchfn-eager", "psg-jax"),

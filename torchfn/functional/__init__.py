@@ -35,6 +35,8 @@ from torchfn.functional._ghost_stats import init_norm_history as init_norm_histo
 from torchfn.functional._ghost_stats import two_batch_estimates as two_batch_estimates
 from torchfn.functional._ghost_stats import update_noise_scale as update_noise_scale
 from torchfn.functional._ghost_stats import update_norm_history as update_norm_history
+from torchfn.functional._graphed import GraphedStep as GraphedStep
+from torchfn.functional._graphed import make_graphed_step as make_graphed_step
 from torchfn.functional._optim import adam as adam
 from torchfn.functional._optim import adamw as adamw
 from torchfn.functional._optim import scale_by_adam as scale_by_adam
@@ -79,6 +81,7 @@ __all__ = [
     "GhostModel",
     "GhostResult",
     "GradStats",
+    "GraphedStep",
     "LossScaleState",
     "NoiseScaleState",
     "NormHistory",
@@ -104,6 +107,7 @@ __all__ = [
     "make_dp_train_step",
     "make_functional",
     "make_ghost_model",
+    "make_graphed_step",
     "make_train_step",
     "noise_multiplier_for_epsilon",
     "per_sample_grad_norms",

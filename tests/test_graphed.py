@@ -1,0 +1,177 @@
+"""make_graphed_step: the donated in-place step (CUDA graph on CUDA) equals the plain step.
+
+References are the plain pure steps, called step after step: the train step, the ensemble step
+and the DP-SGD step. On the CPU nothing is captured (the in-place step runs, compiled or not);
+the CUDA cases (``-m gpu``) capture a graph and replay it.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+import torchopt
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
+from torchfn.functional import (
+    adam,
+    init_dp_state,
+    init_train_state,
+    make_dp_train_step,
+    make_ghost_model,
+    make_graphed_step,
+    make_train_step,
+)
+from torchfn.ops import stacked_adam
+
+F64 = torch.float64
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")]),
+]
+
+
+def mlp(device: str, dtype: torch.dtype = F64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).to(device, dtype)
+
+
+def batches(n: int, device: str, lead: tuple[int, ...] = (), dtype: torch.dtype = F64):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(*lead, 12, 5, generator=g, dtype=dtype).to(device),
+             torch.randint(0, 3, (*lead, 12), generator=g).to(device)) for _ in range(n)]
+
+
+def assert_trees_close(a, b, **kw) -> None:
+    la, lb = optree.tree_leaves(a), optree.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        torch.testing.assert_close(x.to(y.device), y, **kw)
+
+
+def train_setup(device: str):
+    module = mlp(device)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def model_fn(p, b, x):
+        return torch.func.functional_call(module, p, (x,)), b
+
+    opt = adam(1e-2)
+    return make_train_step(model_fn, F.cross_entropy, opt), init_train_state(params, {}, opt,
+                                                                             seed=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compile", [False, True])
+def test_train_step_equals_plain_steps(device, compile) -> None:
+    step, state = train_setup(device)
+    data = batches(5, device)
+    graphed = make_graphed_step(step, state, data[0], compile=compile)
+    assert graphed.graphed == (device == "cuda")
+    ref, mine = state, state
+    for b in data:
+        ref, m_ref = step(ref, b)
+        mine, m = graphed(mine, b)
+        torch.testing.assert_close(m["loss"], m_ref["loss"].to(m["loss"].device))
+    assert_trees_close(mine.params, ref.params, rtol=1e-12, atol=1e-12)
+    assert_trees_close(mine.opt_state, ref.opt_state, rtol=1e-12, atol=1e-12)
+    assert int(mine.step) == 5
+    # the example state was not stepped by the warm-up, and the state is donated: the same
+    # object comes back each call
+    assert int(state.step) == 0
+    again, _ = graphed(mine, data[0])
+    assert again is mine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_another_state_is_loaded_like_a_resume(device) -> None:
+    step, state = train_setup(device)
+    data = batches(4, device)
+    graphed = make_graphed_step(step, state, data[0], compile=False)
+    s = state
+    for b in data[:2]:
+        s, _ = graphed(s, b)
+    saved = optree.tree_map(lambda t: t.clone(), s)
+    s, _ = graphed(s, data[2])
+    s, _ = graphed(s, data[3])
+    # resume from the copy taken after two steps: the same two steps again
+    r, _ = graphed(saved, data[2])
+    r, _ = graphed(r, data[3])
+    ref = state
+    for b in data:
+        ref, _ = step(ref, b)
+    assert_trees_close(r.params, ref.params, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ensemble_step_compiled_graphed_equals_eager_without_recompiles(device) -> None:
+    ens = Ensemble.from_seeds(lambda: mlp(device), seeds=range(4))
+    opt = stacked_adam(lr=torch.tensor([1e-2, 3e-3, 1e-3, 3e-2], dtype=F64, device=device))
+    step = make_ensemble_train_step(ens.model_fn, F.cross_entropy, opt)
+    state = init_ensemble_state(ens, opt, seed=0)
+    data = batches(4, device, lead=(4,))
+    counter = CompileCounterWithBackend("inductor")
+    graphed = make_graphed_step(step, state, data[0], compile={"backend": counter})
+    ref, mine = state, state
+    for b in data:
+        ref, m_ref = step(ref, b)
+        mine, m = graphed(mine, b)
+        torch.testing.assert_close(m["loss"], m_ref["loss"], rtol=1e-10, atol=1e-12)
+    assert_trees_close(mine.params, ref.params, rtol=1e-10, atol=1e-12)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dp_step_graphed_equals_plain_including_noise(device) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).to(device, F64)
+    ghost, params, buffers = make_ghost_model(net)
+    opt = torchopt.sgd(0.1, momentum=0.9)
+    step = make_dp_train_step(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"),
+                              opt, noise_multiplier=1.0, max_grad_norm=0.5, sample_rate=0.2,
+                              dataset_size=60)
+    state = init_dp_state(params, buffers, opt, seed=3)
+    data = batches(3, device)
+    valid = [(torch.arange(12) % (t + 2) != 0).to(device) for t in range(3)]
+    graphed = make_graphed_step(step, state, data[0], valid[0])
+    ref, mine = state, state
+    for b, v in zip(data, valid, strict=True):
+        ref, m_ref = step(ref, b, v)
+        mine, m = graphed(mine, b, v)
+        for k in m_ref:
+            torch.testing.assert_close(m[k], m_ref[k], rtol=1e-10, atol=1e-12, msg=k)
+    assert_trees_close(mine.params, ref.params, rtol=1e-10, atol=1e-12)
+    assert torch.equal(mine.key, ref.key)
+
+
+def test_bad_arguments_are_named() -> None:
+    step, state = train_setup("cpu")
+    b = batches(1, "cpu")[0]
+    with pytest.raises(TypeError, match=r"make_graphed_step\(step=...\)"):
+        make_graphed_step(3, state, b)
+    with pytest.raises(ValueError, match=r"make_graphed_step\(warmup=...\): expected an int"):
+        make_graphed_step(step, state, b, warmup=0)
+    with pytest.raises(TypeError, match=r"make_graphed_step\(compile=...\)"):
+        make_graphed_step(step, state, b, compile="yes")
+    graphed = make_graphed_step(step, state, b, compile=False)
+    with pytest.raises(ValueError, match=r"args\[0\]\[0\] must be \(12, 5\) torch.float64"):
+        graphed(state, (b[0][:3], b[1]))
+    with pytest.raises(ValueError, match=r"structure of the example arguments"):
+        graphed(state, (b[0], b[1], b[1]))
+    with pytest.raises(ValueError, match=r"state\.params\['0.weight'\]|state\[0\]\['0.weight'\]"):
+        graphed(state._replace(params={**state.params, "0.weight": state.params["0.weight"].T}),
+                b)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_step_that_changes_the_state_shape_is_refused_clearly(compile) -> None:
+    def step(state, x):
+        return {"w": state["w"][:2]}, {"loss": x.sum()}
+
+    with pytest.raises(ValueError, match=r"state\['w'\] was \(3,\) torch.float32, the step "
+                                         r"returned \(2,\) torch.float32"):
+        make_graphed_step(step, {"w": torch.zeros(3)}, torch.ones(2), compile=compile)
