@@ -304,17 +304,18 @@ def test_audit_plan_matches_the_guarantees():
 
 
 class _PerSamplePath(StreamingDataset):
-    """The memory-map + per-sample CRC path (what ``_read_batch`` falls back to)."""
+    """The memory-map + per-sample checksum path (what ``_read_batch`` falls back to)."""
 
     def _read_batch(self, ids):
         return None
 
 
+@pytest.mark.parametrize("checksum", ["xxh3_64", "crc32"])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_readinto_batches_equal_the_per_sample_path(tmp_path, shuffle, monkeypatch):
+def test_readinto_batches_equal_the_per_sample_path(tmp_path, shuffle, checksum, monkeypatch):
     monkeypatch.setattr(_stream, "_READ_MIN_BYTES", 1)  # tiny samples take the readinto path
     g = torch.Generator().manual_seed(2)
-    with ShardWriter(tmp_path, samples_per_shard=13) as w:
+    with ShardWriter(tmp_path, samples_per_shard=13, checksum=checksum) as w:
         for i in range(70):
             w.write({"x": torch.randn(3, 4, generator=g, dtype=torch.float64),
                      "z": torch.randint(-5, 5, (2,), generator=g, dtype=torch.int64)},

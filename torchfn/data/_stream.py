@@ -76,11 +76,13 @@ class StreamingDataset(IterableDataset):
         transform: per-sample ``dict -> dict`` hook (runs in the workers; with ``batched=True``
             it switches to per-sample assembly + ``default_collate``).
         batch_transform: ``dict -> dict`` hook on each assembled batch (``batched=True``).
-        verify: check each sample's CRC32 when it is read.
+        verify: check each sample's checksum (the algorithm its shard header names: xxh3_64,
+            or crc32 for shards written with ``checksum="crc32"`` or before the field existed)
+            when it is read.
         on_corrupt: ``"raise"`` (``CorruptShardError`` naming file and sample) or ``"skip"``.
             With ``"skip"``, shards with unreadable headers or truncated data are found at
             construction and left out of the plan (``skipped`` lists them); samples failing
-            their CRC32 while streaming are dropped and logged (``torchfn.data`` logger),
+            their checksum while streaming are dropped and logged (``torchfn.data`` logger),
             which shortens that rank's epoch: call ``verify()`` first to find them up front.
         meta: add ``"id"``, ``"padded"``, ``"rank"``, ``"worker"``, ``"position"`` to batches
             (``padded`` marks ``policy="pad"`` repeats, to mask them out of a loss).
@@ -159,7 +161,7 @@ class StreamingDataset(IterableDataset):
                 self.skipped.append(b)
 
     def verify(self) -> VerifyReport:
-        """Returns a full CRC32 ``VerifyReport``; with ``on_corrupt="skip"`` excludes the bad ids.
+        """Returns a full-checksum ``VerifyReport``; with ``on_corrupt="skip"`` excludes the bad ids.
 
         With ``on_corrupt="raise"`` a bad sample raises ``CorruptShardError``.
         """
@@ -261,7 +263,7 @@ class StreamingDataset(IterableDataset):
                     continue
                 if r.check(i):
                     continue
-                err = CorruptShardError(r.path, i, r.bad.get(i, "CRC32 mismatch"))
+                err = CorruptShardError(r.path, i, r.bad.get(i, r.mismatch))
             if self.on_corrupt == "raise":
                 raise CorruptShardError(err.path, i, f"{err.reason}; global id {ids[j]}") from None
             keep[j] = False
@@ -312,7 +314,7 @@ class StreamingDataset(IterableDataset):
         The fast path for shards of fixed-shape fields of at least ``_READ_MIN_BYTES`` bytes
         per sample (smaller samples share pages, so the memory map is cheaper there): the ids are sorted by (shard, index) and
         each run of consecutive samples is read with one ``preadv`` straight into the batch
-        buffers (shared memory in a worker), CRC32s checked on the delivered bytes. None when
+        buffers (shared memory in a worker), checksums checked on the delivered bytes. None when
         it does not apply (ragged fields, shards that differ) or any sample failed: the caller
         then takes the per-sample path, which raises or skips with the usual messages.
         """
