@@ -460,8 +460,10 @@ class ShardReader:
         """Returns whether sample ``i``'s bytes match its stored checksum."""
         if i in self.bad:
             return False
-        mv = self._mv
-        parts = [mv[a:b] for a, b in (spans[i] for spans in self._span_list)]
+        mv, parts = self._mv, []
+        for spans in self._span_list:  # a plain loop: this runs per sample on the mmap path
+            a, b = spans[i]
+            parts.append(mv[a:b])
         return _sample_checksum(self._algorithm, parts) == self.checksums[i]
 
     def _raise_if_bad(self, i: int) -> None:
