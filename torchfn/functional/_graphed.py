@@ -170,7 +170,9 @@ class GraphedStep:
                 "make_graphed_step: the step could not be captured as a CUDA graph. A "
                 "captured step must not synchronise with the host (.item(), printing a "
                 "tensor, data-dependent shapes such as nonzero or boolean masking) and must "
-                f"not use CPU tensors. Original error: {type(err).__name__}: {err}"
+                "not use CPU tensors; an eager make_train_step / ensemble step reads its step "
+                "counter on the host to seed randomness: pass seed_rng=False, or compile=True. "
+                f"Original error: {type(err).__name__}: {err}"
             ) from err
         self._graph = graph
 
