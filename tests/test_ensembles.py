@@ -97,6 +97,22 @@ def test_adam_per_member_lr_wd_matches_torch_optim(shared: bool) -> None:
         torch.testing.assert_close(m(x), models[n](x), rtol=1e-10, atol=1e-12)
 
 
+def test_grad_norm_false_skips_only_the_metric() -> None:
+    opt = stacked_adam(lr=LR, weight_decay=WD)
+    ens = Ensemble.from_seeds(mlp, seeds=range(N))
+    with_norm = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt)
+    without = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt,
+                                       grad_norm=False)
+    a = b = init_ensemble_state(ens, opt, seed=0)
+    for t in range(3):
+        a, m_a = with_norm(a, data(t))
+        b, m_b = without(b, data(t))
+    assert sorted(m_b) == ["loss"] and sorted(m_a) == ["grad_norm", "loss"]
+    torch.testing.assert_close(m_b["loss"], m_a["loss"], rtol=0, atol=0)
+    for k in a.params:
+        torch.testing.assert_close(b.params[k], a.params[k], rtol=0, atol=0)
+
+
 def test_per_member_hyperparameters_really_differ() -> None:
     # same init for every member, same data: only the (N,) lr / wd can make them differ
     shared_lr = torch.full((N,), float(LR[1]), dtype=F64)
