@@ -2,7 +2,10 @@
 
 Same data for all three loaders, 2 DataLoader workers, batch 256, one full shuffled epoch
 (after one warm-up epoch, so the page cache is warm for the disk-based loaders: this measures
-the loader, not the disk). Usage:
+the loader, not the disk). StreamingDataset is measured with its default per-sample checksum
+(xxh3_64), on shards written with ``checksum="crc32"`` (the older format's checksum), and with
+``verify=False``. The load average is printed per case (the numbers mean little above ~1.5 on
+a 2-core machine). Usage:
 
     .venv/bin/python benchmarks/data.py [--small N] [--large N] [--repeats R] [--out results.json]
 """
@@ -29,7 +32,7 @@ BATCH, WORKERS = 256, 2
 
 
 class _MmapPath(StreamingDataset):
-    """The previous read path (memory map + per-sample CRC + index_select), for comparison."""
+    """The previous read path (memory map + per-sample checksum + index_select), for comparison."""
 
     def _read_batch(self, ids):
         return None
@@ -73,13 +76,16 @@ def run(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard: int)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, *shape), dtype=np.float32)
     y = rng.integers(0, 10, n)
-    res: dict = {"case": name, "shape": list(shape), "num_samples": n}
+    res: dict = {"case": name, "shape": list(shape), "num_samples": n,
+                 "loadavg_start": os.getloadavg()}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
-        t = time.perf_counter()
-        with ShardWriter(os.path.join(root, "tfs"), samples_per_shard=per_shard) as w:
-            for i in range(n):
-                w.write({"x": x[i]}, label=int(y[i]))
-        res["write_s"] = time.perf_counter() - t
+        for checksum in ("xxh3_64", "crc32"):
+            t = time.perf_counter()
+            with ShardWriter(os.path.join(root, checksum), samples_per_shard=per_shard,
+                             checksum=checksum) as w:
+                for i in range(n):
+                    w.write({"x": x[i]}, label=int(y[i]))
+            res[f"write_s_{checksum}"] = time.perf_counter() - t
 
         tds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
         gen = torch.Generator().manual_seed(0)
@@ -88,16 +94,19 @@ def run(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard: int)
             return DataLoader(tds, batch_size=BATCH, shuffle=True, num_workers=WORKERS,
                               generator=gen)
 
-        def stream(verify: bool, cls: type[StreamingDataset] = StreamingDataset):
+        def stream(verify: bool, checksum: str = "xxh3_64",
+                   cls: type[StreamingDataset] = StreamingDataset):
             def make():
-                ds = cls(os.path.join(root, "tfs"), batch_size=BATCH, seed=0, verify=verify)
+                ds = cls(os.path.join(root, checksum), batch_size=BATCH, seed=0, verify=verify)
                 return DataLoader(ds, batch_size=None, num_workers=WORKERS)
             return make
 
-        loaders = {"tensordataset_in_memory": mem, "streaming_verify_crc": stream(True),
+        loaders = {"tensordataset_in_memory": mem,
+                   "streaming_verify_xxh3": stream(True),
+                   "streaming_verify_crc32": stream(True, "crc32"),
                    "streaming_no_verify": stream(False),
-                   "streaming_mmap_path_crc": stream(True, _MmapPath),
-                   "streaming_mmap_path_no_verify": stream(False, _MmapPath)}
+                   "streaming_mmap_path_xxh3": stream(True, cls=_MmapPath),
+                   "streaming_mmap_path_no_verify": stream(False, cls=_MmapPath)}
         try:
             import webdataset as wds
 
@@ -119,6 +128,12 @@ def run(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard: int)
     base = res["tensordataset_in_memory"]["samples_per_s"]
     for key in loaders:
         res[key]["vs_in_memory"] = res[key]["samples_per_s"] / base
+    res["loadavg_end"] = os.getloadavg()
+    print(f"{name:6s} vs in-memory: " + ", ".join(
+        f"{k.removeprefix('streaming_')} {res[k]['vs_in_memory']:.2f}x" for k in loaders
+        if k != "tensordataset_in_memory"), flush=True)
+    print(f"{name:6s} load average start {res['loadavg_start'][0]:.2f}, "
+          f"end {res['loadavg_end'][0]:.2f}", flush=True)
     return res
 
 
