@@ -86,7 +86,8 @@ def test_pass_leaves_graphs_without_the_pattern_alone():
 def test_inductor_options():
     opts = inductor_options()
     assert isinstance(opts["post_grad_custom_pre_pass"], GroupedConvDoubleBackwardPass)
-    assert opts["post_grad_custom_pre_pass"].uuid() == GroupedConvDoubleBackwardPass().uuid()
+    assert (opts["post_grad_custom_pre_pass"].uuid()
+            == GroupedConvDoubleBackwardPass(channels_last=True).uuid())
 
 
 @pytest.mark.slow
@@ -107,3 +108,77 @@ def test_inductor_with_the_pass_equals_eager():
                                      "fx_graph_cache": False})(params, tasks)
     _assert_close(got, f(params, tasks))
     assert sum(counts) == 2
+
+
+class _ConvLayouts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Record (op, groups, activation inputs channels-last?) of every convolution call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        if func is aten.convolution.default:
+            self.calls.append(("fwd", args[8], _cl(args[0])))
+        elif func is aten.convolution_backward.default:
+            self.calls.append(("bwd", args[9], _cl(args[0]) and _cl(args[1])))
+        return func(*args, **(kwargs or {}))
+
+
+def _cl(t: torch.Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def test_channels_last_pass_converts_only_wide_grouped_convs_and_keeps_the_meta_gradient():
+    from torchfn.meta import channels_last_grouped_convs
+
+    f, params = _meta_grad_fn(3)
+    tasks = _tasks()
+    gm = make_fx(f, tracing_mode="fake")(params, tasks)
+    fuse_grouped_conv_double_backward(gm.graph)
+    # layer 2 has 3 input channels per task; layer 1 has 1 (stays NCHW)
+    assert channels_last_grouped_convs(gm.graph, min_group_channels=2) > 0
+    gm.recompile()
+    with _ConvLayouts() as rec:
+        got = gm(params, tasks)
+    _assert_close(got, f(params, tasks))
+    grouped = [c for c in rec.calls if c[1] > 1]
+    wide = [c for c in grouped if c[2]]
+    # the later inner steps' layer-2 forward and backward convolutions are channels-last;
+    # layer 1 (one channel per task) and ungrouped ones (first step: shared weights) are not
+    assert len(wide) >= 3 and len(wide) < len(grouped), rec.calls
+    # nothing grouped is channels-last without the pass
+    gm0 = make_fx(f, tracing_mode="fake")(params, tasks)
+    with _ConvLayouts() as rec0:
+        gm0(params, tasks)
+    assert not any(cl for _, _, cl in rec0.calls)
+
+
+def test_channels_last_pass_leaves_ungrouped_convs_alone():
+    from torchfn.meta import channels_last_grouped_convs
+
+    x, w = torch.randn(2, 4, 6, 6, dtype=DT), torch.randn(4, 4, 3, 3, dtype=DT)
+    gm = make_fx(lambda x, w: F.conv2d(x, w, padding=1), tracing_mode="fake")(x, w)
+    code = gm.code
+    assert channels_last_grouped_convs(gm.graph, min_group_channels=1) == 0
+    assert gm.code == code
+
+
+def test_inductor_options_channels_last_flag_changes_the_cache_key():
+    on, off = inductor_options(), inductor_options(channels_last=False)
+    assert on["post_grad_custom_pre_pass"].channels_last
+    assert on["post_grad_custom_pre_pass"].uuid() != off["post_grad_custom_pre_pass"].uuid()
+
+
+@pytest.mark.slow
+def test_inductor_with_the_channels_last_pass_equals_eager():
+    """Inductor (CPU) with both rewrites on the 3-channel net: same meta-gradient."""
+    f, params = _meta_grad_fn(2)
+    tasks = _tasks()
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        got = torch.compile(f, fullgraph=True, options={
+            "post_grad_custom_pre_pass": GroupedConvDoubleBackwardPass(
+                channels_last=True, min_group_channels=2),
+            "fx_graph_cache": False})(params, tasks)
+    _assert_close(got, f(params, tasks))

@@ -1,5 +1,8 @@
 """Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile; tasks batched with vmap."""
 
+from torchfn.meta._conv_layout import (
+    channels_last_grouped_convs as channels_last_grouped_convs,
+)
 from torchfn.meta._conv_pass import (
     GroupedConvDoubleBackwardPass as GroupedConvDoubleBackwardPass,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "MetaLearner",
     "Task",
     "anil",
+    "channels_last_grouped_convs",
     "fomaml",
     "fuse_grouped_conv_double_backward",
     "inductor_options",

@@ -30,6 +30,9 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from torchfn.meta import _conv_layout
+from torchfn.meta._conv_layout import channels_last_grouped_convs
+
 __all__ = ["GroupedConvDoubleBackwardPass", "fuse_grouped_conv_double_backward",
            "inductor_options"]
 
@@ -194,21 +197,39 @@ def _match(convs: Any) -> tuple[fx.Node, fx.Node, list[int], list[int]] | None:
 
 
 class GroupedConvDoubleBackwardPass(CustomGraphPass):
-    """Inductor post-grad pass running :func:`fuse_grouped_conv_double_backward`."""
+    """Inductor post-grad pass running :func:`fuse_grouped_conv_double_backward`.
+
+    With ``channels_last=True`` it then runs
+    :func:`torchfn.meta.channels_last_grouped_convs` (grouped convolutions with at least
+    ``min_group_channels`` input channels per group in channels-last).
+    """
+
+    def __init__(self, channels_last: bool = False, min_group_channels: int = 16) -> None:
+        self.channels_last, self.min_group_channels = channels_last, min_group_channels
 
     def __call__(self, graph: fx.Graph) -> None:
         fuse_grouped_conv_double_backward(graph)
+        if self.channels_last:
+            channels_last_grouped_convs(graph, self.min_group_channels)
 
     def uuid(self) -> Any:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+        h = hashlib.sha256()
+        for path in (__file__, _conv_layout.__file__):
+            with open(path, "rb") as f:
+                h.update(f.read())
+        h.update(f"{self.channels_last}:{self.min_group_channels}".encode())
+        return h.hexdigest()
 
 
-def inductor_options() -> dict[str, Any]:
+def inductor_options(channels_last: bool = True) -> dict[str, Any]:
     """Return ``torch.compile`` ``options`` that install :class:`GroupedConvDoubleBackwardPass`.
+
+    ``channels_last`` (default on) also runs the grouped convolutions of vmapped per-task
+    conv weights in channels-last where that is cuDNN's fast layout (see
+    :func:`torchfn.meta.channels_last_grouped_convs`).
 
     Example:
         >>> sorted(inductor_options())
         ['post_grad_custom_pre_pass']
     """
-    return {"post_grad_custom_pre_pass": GroupedConvDoubleBackwardPass()}
+    return {"post_grad_custom_pre_pass": GroupedConvDoubleBackwardPass(channels_last)}

@@ -1,0 +1,110 @@
+"""An Inductor graph pass: grouped convolutions (vmapped per-task conv weights) in channels-last.
+
+Under ``vmap`` over tasks, a conv with per-task weights is one *grouped* convolution
+(``groups = tasks``). In the NCHW layout cuDNN runs these with a slow generic kernel: on an H100
+(float32, TF32 off) a 32-task, 64->64-channel 3x3 conv over 75 images of 14x14 takes 19.6 ms
+forward in NCHW and 1.4 ms in channels-last (NHWC), and fwd+bwd 22.9 vs 5.9 ms; at 7x7 5.2 vs
+0.86 ms forward. With one input channel per group (a first layer on grey images) NHWC is the slow
+one (1.3 vs 6.1 ms), so the choice is per convolution, by channels per group -- Inductor's own
+layout optimisation is all or nothing, and skips grouped convolutions.
+
+:func:`channels_last_grouped_convs` rewrites an FX graph of aten ops (Inductor's post-grad
+graph): every 2-D ``convolution`` and ``convolution_backward`` with ``groups > 1`` and at least
+``min_group_channels`` input channels per group gets its activation inputs (input and, for the
+backward, the output gradient) as channels-last copies (``permute -> contiguous -> permute``,
+the same values); cuDNN then picks its NHWC kernels and returns channels-last results, which
+the following convolutions take without another copy where Inductor can fuse it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["channels_last_grouped_convs"]
+
+aten = torch.ops.aten
+
+_TO_NHWC = [0, 2, 3, 1]
+_TO_NCHW = [0, 3, 1, 2]
+
+
+def _val(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _is_channels_last(val: torch.Tensor) -> bool:
+    return val.is_contiguous(memory_format=torch.channels_last) and not val.is_contiguous()
+
+
+def _channels_last(graph: fx.Graph, before: fx.Node, x: fx.Node,
+                   cache: dict[fx.Node, fx.Node]) -> fx.Node:
+    """Return a node holding ``x`` (N, C, H, W) with channels-last strides (one per ``x``)."""
+    if x in cache:
+        return cache[x]
+    val = _val(x)
+    assert val is not None
+    with graph.inserting_before(before):
+        nhwc = graph.call_function(aten.permute.default, (x, _TO_NHWC))
+        dense = graph.call_function(aten.clone.default, (nhwc,),
+                                    {"memory_format": torch.contiguous_format})
+        out = graph.call_function(aten.permute.default, (dense, _TO_NCHW))
+    fake = getattr(val, "fake_mode", None)
+    if fake is not None:
+        with fake:
+            nhwc.meta["val"] = val.permute(_TO_NHWC)
+            dense.meta["val"] = nhwc.meta["val"].clone(memory_format=torch.contiguous_format)
+            out.meta["val"] = dense.meta["val"].permute(_TO_NCHW)
+    cache[x] = out
+    return out
+
+
+def channels_last_grouped_convs(graph: fx.Graph, min_group_channels: int = 16) -> int:
+    """Give grouped 2-D convolutions channels-last activations; return how many were changed.
+
+    ``convolution(x, w, ..., groups)`` and ``convolution_backward(gO, x, w, ..., groups, mask)``
+    nodes with ``groups > 1``, 4-D tensors, not transposed, and ``C_in / groups >=
+    min_group_channels`` get ``x`` (and ``gO``) through a channels-last copy unless they are
+    channels-last already. Values are unchanged (a layout copy); nodes need ``meta["val"]``.
+    """
+    changed = 0
+    cache: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.convolution.default:
+            positions, groups, transposed, x = (0,), node.args[8], node.args[6], node.args[0]
+        elif node.target is aten.convolution_backward.default:
+            positions, groups, transposed, x = (0, 1), node.args[9], node.args[7], node.args[1]
+        else:
+            continue
+        xv = _val(x)
+        if (transposed or not isinstance(groups, int) or groups <= 1 or xv is None
+                or xv.ndim != 4 or xv.shape[1] // groups < min_group_channels):
+            continue
+        args = list(node.args)
+        for i in positions:
+            v = _val(args[i])
+            if v is not None and v.ndim == 4 and not _is_channels_last(v):
+                args[i] = _channels_last(graph, node, args[i], cache)
+        if args != list(node.args):
+            node.args = tuple(args)
+            _refresh_val(node)
+            changed += 1
+    return changed
+
+
+def _refresh_val(node: fx.Node) -> None:
+    """Recompute ``node.meta["val"]`` from its (new) inputs: the outputs' strides change."""
+    old = node.meta.get("val")
+    leaves = old if isinstance(old, (tuple, list)) else [old]
+    fake = next((getattr(v, "fake_mode", None) for v in leaves if isinstance(v, torch.Tensor)),
+                None)
+    if fake is None:
+        return
+    args = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+    with fake:
+        node.meta["val"] = node.target(*args, **node.kwargs)
