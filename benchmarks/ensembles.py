@@ -132,7 +132,10 @@ class TorchfnStep:
         # built on the device: a model_fn checks that params sit where its module was
         self.model_fn = Ensemble.from_seeds(on_device(sizes, device), seeds=[0]).model_fn
         self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
-        step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt)
+        # "graphed-nonorm": no grad_norm metric, i.e. the outputs JAX's step has (new params
+        # and optimizer state; the loss is kept)
+        step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt,
+                                        grad_norm=mode != "graphed-nonorm")
         self.plain_step = step
         self.mode = mode
         if mode == "compiled":
@@ -162,7 +165,7 @@ class TorchfnStep:
             state = optree.tree_map(lambda t: t.to(device), state)
         x, y = batch_for(n, sizes, batch, device)
         build_s = None
-        if self.mode == "graphed":
+        if self.mode.startswith("graphed"):
             # torchfn.functional.make_graphed_step: compiled, captured as one CUDA graph, the
             # state donated (updated in place); construction compiles and captures
             t0 = time.perf_counter()
@@ -307,11 +310,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=200.0,
                         help="seconds after which no new measurement starts")
     parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="skip the plain compiled variant (its first compile is slow)")
     parser.add_argument("--no-reduce-overhead", action="store_true",
                         help="skip the mode='reduce-overhead' variant")
     parser.add_argument("--no-tensor-guards", action="store_true",
                         help="skip the tensor-guards-only variant")
-    parser.add_argument("--curve", default="graphed", choices=("graphed", "compiled"),
+    parser.add_argument("--curve", default="graphed-nonorm",
+                        choices=("graphed", "graphed-nonorm", "compiled"),
                         help="torchfn variant of the scaling curve (one compile per N)")
     parser.add_argument("--ns", default=None,
                         help="scaling N values, comma-separated (default 1,2,4,...,256)")
@@ -368,7 +374,8 @@ def main() -> None:
     for name in ("recompile_limit", "cache_size_limit"):  # 9 N values = 9 graphs of one frame
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    steps = {m: TorchfnStep(sizes, device, m, n) for m in ("eager", "compiled")}
+    steps = {m: TorchfnStep(sizes, device, m, n) for m in ("eager", "compiled")
+             if not (m == "compiled" and args.no_compiled)}
     side: dict[str, Any] = {}
     print(f"== side by side: N={n}, sizes={sizes}, batch={batch}", flush=True)
     side["torch_optim_loop"] = guarded("torch.optim loop", budget,
@@ -376,9 +383,11 @@ def main() -> None:
     for m, s in steps.items():
         side[f"torchfn_{m}"] = guarded(f"torchfn {m}", budget,
                                        lambda s=s: s.bench(n, sizes, batch, device, reps))
-    gr = TorchfnStep(sizes, device, "graphed", n)
-    side["torchfn_graphed"] = guarded("torchfn make_graphed_step", budget,
-                                      lambda: gr.bench(n, sizes, batch, device, reps))
+    for mode in ("graphed", "graphed-nonorm"):
+        gr = TorchfnStep(sizes, device, mode, n)
+        side[f"torchfn_{mode.replace('-', '_')}"] = guarded(
+            f"torchfn make_graphed_step ({mode})", budget,
+            lambda gr=gr: gr.bench(n, sizes, batch, device, reps))
     if device.type == "cuda" and not args.no_reduce_overhead:
         ro = TorchfnStep(sizes, device, "reduce-overhead", n)
         side["torchfn_compiled_cudagraphs"] = guarded(
@@ -396,7 +405,7 @@ def main() -> None:
 
     print(f"== scaling (torchfn {args.curve}: a fresh static compile per N; N=" + str(n)
           + " is the side-by-side run)", flush=True)
-    curve = f"torchfn_{args.curve}"
+    curve = f"torchfn_{args.curve.replace('-', '_')}"
     scaling: dict[str, dict[int, Any]] = {curve: {}, "torchfn_eager": {},
                                           "jax_vmap_optax": {}, "torch_optim_loop": {}}
     # the cheap curves first, then one compile per N, in an order that keeps the curve's ends
@@ -441,7 +450,7 @@ def main() -> None:
             row += f"{v['first_call']:>14.2f}"
         print(row)
     goals = {}
-    for variant in ("compiled", "graphed"):
+    for variant in ("compiled", "graphed", "graphed_nonorm"):
         comp = side.get(f"torchfn_{variant}")
         if isinstance(comp, dict) and isinstance(loop, dict):
             goals[f"{variant}_vs_loop_speedup"] = loop["median"] / comp["median"]
