@@ -21,8 +21,8 @@ Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-fix
   ``bench`` (``torch.backends.cudnn.benchmark=True`` for that variant), ``fix`` (install
   ``torchfn.meta.inductor_options()``: the post-grad pass that turns the per-task loop of
   weight-gradient convolutions in ATen's conv double backward into one grouped
-  ``convolution_backward``, and runs grouped convolutions with >= 16 channels per group in
-  channels-last), ``nocl`` (with ``fix``: without the channels-last part), ``chunkN`` (tasks in chunks of N). E.g. ``compiled-cg-fix-bench``. ``eager-chunkN``/``eager-bench`` work too.
+  ``convolution_backward``), ``gcl`` (with ``fix``: ``inductor_options(channels_last=True)``,
+  grouped convolutions with >= 16 channels per group in channels-last), ``chunkN`` (tasks in chunks of N). E.g. ``compiled-cg-fix-bench``. ``eager-chunkN``/``eager-bench`` work too.
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
   ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
   (default: this interpreter) so the two frameworks never share a process; skipped with a
@@ -203,7 +203,7 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     if kind not in ("loop", "eager", "compiled", "jax") or (kind in ("loop", "jax") and rest):
         raise SystemExit(f"meta.py --variants: unknown variant {name!r} (see --help)")
     tokens, chunk = set(), None
-    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "nocl"} if kind == "compiled"
+    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl"} if kind == "compiled"
              else {"bench"})
     for tok in rest:
         if tok.startswith("chunk") and tok[5:].isdigit():
@@ -327,7 +327,7 @@ def main() -> None:
                     if "fix" in tokens:  # compile takes a mode or options, not both
                         options = {**(torch._inductor.list_mode_options(mode) if mode
                                       else {}),
-                               **inductor_options(channels_last="nocl" not in tokens)}
+                               **inductor_options(channels_last="gcl" in tokens)}
                         call = torch.compile(learner.meta_grad, fullgraph=True, options=options)
                     else:
                         call = torch.compile(learner.meta_grad, fullgraph=True, mode=mode)
