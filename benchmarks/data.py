@@ -25,8 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchfn.data._shards import ShardWriter
-from torchfn.data._stream import StreamingDataset
+from torchfn.data import ShardWriter, StreamingDataset
 
 BATCH, WORKERS = 256, 2
 

@@ -59,9 +59,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from torchfn.functional import make_functional
-from torchfn.meta import inductor_options
-from torchfn.meta._maml import maml
-from torchfn.meta._tasks import Task
+from torchfn.meta import Task, inductor_options, maml
 
 EPS = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))

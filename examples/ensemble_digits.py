@@ -16,17 +16,15 @@ import time
 import torch
 from torch import nn
 
-from torchfn.ensembles._build import Ensemble
-from torchfn.ensembles._metrics import (
+from torchfn.ensembles import (
+    Ensemble,
     ensemble_metrics,
     expected_calibration_error,
-    negative_log_likelihood,
-)
-from torchfn.ensembles._train import (
     init_ensemble_state,
     make_ensemble_train_step,
     member_batches,
     member_orders,
+    negative_log_likelihood,
 )
 from torchfn.ops import stacked_adam
 

@@ -17,9 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchfn.functional import adam, make_functional
-from torchfn.meta._maml import maml
-from torchfn.meta._step import init_meta_state, make_meta_train_step
-from torchfn.meta._tasks import sinusoid_tasks
+from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
 
 
 def mse_after(model_fn, params, tasks, steps: int) -> tuple[float, float]:
