@@ -195,9 +195,8 @@ def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[[], A
     box = [init_dp_state(params, buffers, opt, seed=0)]
     fn: Callable[..., Any] = dp
     if mode == "graphed":
-        # the options DPTrainStep.compile() uses (no Inductor buffer reuse, see its docstring)
-        fn = make_graphed_step(dp, box[0], (x, y), valid,
-                               compile={"options": {"allow_buffer_reuse": False}})
+        # make_graphed_step applies DPTrainStep.inductor_options (see DPTrainStep.compile)
+        fn = make_graphed_step(dp, box[0], (x, y), valid)
     elif mode == "compiled":
         fn = dp.compile()
 

@@ -177,3 +177,27 @@ def test_step_that_changes_the_state_shape_is_refused_clearly(compile) -> None:
     with pytest.raises(ValueError, match=r"state\['w'\] was \(3,\) torch.float32, the step "
                                          r"returned \(2,\) torch.float32"):
         make_graphed_step(step, {"w": torch.zeros(3)}, torch.ones(2), compile=compile)
+
+
+def test_dp_step_inductor_options_are_applied(monkeypatch) -> None:
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kwargs):
+        seen.append(kwargs)
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    net = nn.Linear(5, 3).to(F64)
+    ghost, params, buffers = make_ghost_model(net)
+    opt = torchopt.sgd(0.1)
+    step = make_dp_train_step(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"), opt,
+                              noise_multiplier=1.0, max_grad_norm=0.5, sample_rate=0.2,
+                              dataset_size=60)
+    b = batches(1, "cpu")[0]
+    valid = torch.ones(12, dtype=torch.bool)
+    make_graphed_step(step, init_dp_state(params, buffers, opt, seed=0), b, valid)
+    assert seen[-1]["options"] == {"allow_buffer_reuse": False} == dict(step.inductor_options)
+    make_graphed_step(step, init_dp_state(params, buffers, opt, seed=0), b, valid,
+                      compile={"mode": "default"})
+    assert "options" not in seen[-1]

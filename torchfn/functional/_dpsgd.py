@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torchopt.base import GradientTransformation
@@ -173,6 +174,10 @@ class DPTrainStep:
     (``noise_multiplier * C``).
     """
 
+    #: Inductor options every compiled form of this step needs (see :meth:`compile`);
+    #: :func:`torchfn.functional.make_graphed_step` applies them too.
+    inductor_options: ClassVar[Mapping[str, Any]] = MappingProxyType({"allow_buffer_reuse": False})
+
     def __init__(self, ghost: GhostModel, loss_fn: LossFn, optimizer: GradientTransformation,
                  *, noise_multiplier: float, sample_rate: float, dataset_size: int,
                  thresholds: dict[str, float] | None, total: float) -> None:
@@ -296,7 +301,7 @@ class DPTrainStep:
         kwargs.setdefault("fullgraph", True)
         # torch.compile takes mode or options, not both; options are Inductor's
         if "mode" not in kwargs and kwargs.get("backend", "inductor") == "inductor":
-            kwargs.setdefault("options", {"allow_buffer_reuse": False})
+            kwargs.setdefault("options", dict(self.inductor_options))
         new._call_fn = torch.compile(self._step, **kwargs)
         new._sum_fn = torch.compile(self._clipped_sum, **kwargs)
         new._apply_fn = torch.compile(self._apply, **kwargs)

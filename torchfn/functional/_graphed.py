@@ -16,7 +16,7 @@ semantics, which is what the CPU tests exercise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -126,6 +126,10 @@ class GraphedStep:
             self._fn: Callable[..., Any] = inplace
         else:
             kwargs = {"fullgraph": True, **(compile if isinstance(compile, dict) else {})}
+            needed = getattr(step, "inductor_options", None)  # e.g. DPTrainStep's
+            if (isinstance(needed, Mapping) and "mode" not in kwargs and "options" not in kwargs
+                    and kwargs.get("backend", "inductor") == "inductor"):
+                kwargs["options"] = dict(needed)
             self._fn = torch.compile(inplace, **kwargs)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: Any = None
@@ -240,7 +244,9 @@ def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[s
     ``compile``: ``True`` wraps the in-place step in ``torch.compile(fullgraph=True)`` -- then
     Inductor writes the new state straight into the old buffers -- a dict gives more
     ``torch.compile`` arguments (e.g. ``{"options": {...}}``), ``False`` captures the eager
-    step (eager steps may take a slower generic path inside the capture).
+    step (eager steps may take a slower generic path inside the capture). A step with an
+    ``inductor_options`` attribute (:class:`DPTrainStep`) gets those options unless the
+    ``compile`` dict names a mode, options or another backend.
     ``warmup`` calls run on a side stream before capture (the first compiles).
 
     The step must be capturable: no host synchronisation (``.item()``, printing, data-dependent
