@@ -111,10 +111,12 @@ def make_ensemble_train_step(
     (unless ``grad_norm=False``) ``grad_norm``, both ``(N,)``; the norms read every gradient
     once more (~8% of a compiled 32-MLP step on an H100), so a sweep that never looks at
     them can skip them. No host syncs: ``torch.compile(step, fullgraph=True)`` traces
-    once and does not recompile across steps. With CUDA graphs (``mode="reduce-overhead"``) the
-    returned tensors live in the graphs' memory pool, which the next call reuses, yet they are
-    the next call's inputs: clone the state after each call
-    (``state = optree.tree_map(torch.clone, state)``, kept metrics too) and keep
+    once and does not recompile across steps. For the fastest GPU steps use
+    :func:`torchfn.functional.make_graphed_step` (compiled, one CUDA graph, state updated in
+    place: 0.32 ms for 32 MLPs on an H100 vs 0.73 ms compiled). With
+    ``mode="reduce-overhead"`` instead, the returned tensors live in the graphs' memory pool,
+    which the next call reuses, yet they are the next call's inputs: clone the state after each
+    call (``state = optree.tree_map(torch.clone, state)``, kept metrics too) and keep
     ``state.step``/``state.seed`` on the GPU (an op on the CPU keeps the graph out of CUDA
     graphs).
 
