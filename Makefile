@@ -23,6 +23,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check torchfn tests examples benchmarks
 	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest --doctest-modules torchfn -q -p no:cacheprovider
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

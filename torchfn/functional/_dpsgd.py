@@ -320,6 +320,9 @@ class DPTrainStep:
         Example::
 
             >>> import torchopt
+            >>> from torch import nn
+            >>> import torch.nn.functional as F
+            >>> from torchfn.functional import PoissonSampler, RDPAccountant, make_ghost_model
             >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 2))
             >>> X, Y = torch.randn(100, 4), torch.randint(0, 2, (100,))
             >>> loss_fn = lambda o, y: F.cross_entropy(o, y, reduction="none")
@@ -379,6 +382,9 @@ def make_dp_train_step(
     Example::
 
         >>> import torchopt
+        >>> from torch import nn
+        >>> import torch.nn.functional as F
+        >>> from torchfn.functional import make_ghost_model
         >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 2))
         >>> loss_fn = lambda o, y: F.cross_entropy(o, y, reduction="none")
         >>> opt = torchopt.sgd(0.5)

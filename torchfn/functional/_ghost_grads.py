@@ -58,6 +58,8 @@ class GhostGrads:
 
         Example::
 
+            >>> from torch import nn
+            >>> from torchfn.functional import make_ghost_model
             >>> ghost, params, buffers = make_ghost_model(nn.Linear(3, 2))
             >>> loss_fn = lambda out, y: ((out - y) ** 2).sum(1)
             >>> res = ghost.per_sample(params, buffers, torch.randn(5, 3), torch.randn(5, 2),

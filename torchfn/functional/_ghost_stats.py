@@ -118,6 +118,8 @@ def grad_stats(
     Example::
 
         >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> from torchfn.functional import make_ghost_model
         >>> ghost, params, buffers = make_ghost_model(nn.Linear(5, 3))
         >>> stats = grad_stats(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"))
         >>> s = stats(params, buffers, torch.randn(64, 5), torch.randint(0, 3, (64,)))
