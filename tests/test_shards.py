@@ -371,3 +371,18 @@ def test_readinto_matches_per_sample_path_and_flags_bad_samples(tmp_path, checks
     ragged = ShardReader(tmp_path / "rag" / "shard-00000.tfs")
     with pytest.raises(ValueError, match="ragged"):
         ragged.readinto([0], [0], {})
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+@pytest.mark.parametrize("one_field", [False, True])
+def test_check_many_equals_check_per_sample(tmp_path, checksum, one_field):
+    samples = _samples(8)
+    if one_field:  # the comprehension fast path of check_many
+        samples = [({"x": s["x"]}, lab) for s, lab in samples]
+    _write(tmp_path, samples, 8, checksum)
+    path = tmp_path / "shard-00000.tfs"
+    meta = ShardReader(path).fields["x"]
+    _flip(path, meta["offset"] + 5 * meta["nbytes"] + 1)
+    r = ShardReader(path)
+    order = [7, 5, 0, 5, 3]
+    assert r.check_many(order) == [r.check(i) for i in order] == [True, False, True, False, True]

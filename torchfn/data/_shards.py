@@ -466,6 +466,19 @@ class ShardReader:
             parts.append(mv[a:b])
         return _sample_checksum(self._algorithm, parts) == self.checksums[i]
 
+    def check_many(self, indices: Sequence[int]) -> list[bool]:
+        """Returns ``[check(i) for i in indices]``, with less Python per sample.
+
+        For a one-field shard a sample's checksum is ``algorithm(bytes, 0)`` (what
+        ``_sample_checksum`` computes for one part), evaluated in one comprehension.
+        """
+        if len(self._span_list) != 1:
+            return [self.check(i) for i in indices]
+        algorithm, sums, mv, bad = self._algorithm, self.checksums, self._mv, self.bad
+        spans = self._span_list[0]
+        return [i not in bad and algorithm(mv[spans[i][0]:spans[i][1]], 0) == sums[i]
+                for i in indices]
+
     def _raise_if_bad(self, i: int) -> None:
         if i in self.bad:
             raise CorruptShardError(self.path, i, self.bad[i])

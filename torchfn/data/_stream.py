@@ -246,6 +246,7 @@ class StreamingDataset(IterableDataset):
     def _good(self, ids: np.ndarray) -> np.ndarray:
         """Returns a keep-mask over ``ids``; raises or logs corrupt samples."""
         keep = np.ones(len(ids), dtype=bool)
+        ok = np.zeros(len(ids), dtype=bool)  # samples known good: skip the per-sample loop
         shards, local = self._locate(ids)
         if not self.verify_reads:  # fast path: only the structural checks of the shards
             try:
@@ -253,7 +254,18 @@ class StreamingDataset(IterableDataset):
                     return keep
             except CorruptShardError:
                 pass  # handled per sample below
+        else:  # all checks at once per shard; only failures take the per-sample path below
+            try:
+                for s in np.unique(shards).tolist():
+                    rows = np.flatnonzero(shards == s)
+                    ok[rows] = self._reader(s).check_many(local[rows].tolist())
+            except CorruptShardError:
+                ok[:] = False
+            if ok.all():
+                return keep
         for j, (s, i) in enumerate(zip(shards.tolist(), local.tolist(), strict=True)):
+            if ok[j]:
+                continue
             try:
                 r = self._reader(s)
             except CorruptShardError as e:
