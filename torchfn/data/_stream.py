@@ -302,14 +302,8 @@ class StreamingDataset(IterableDataset):
                 continue
             src0 = srcs[uniq[0]]
             shape = (len(ids), *src0.shape[1:])
-            if in_worker:
-                # Allocate straight in shared memory, as default_collate does, so handing the
-                # batch to the main process costs no extra copy (no public API for this).
-                numel = int(np.prod(shape))
-                storage = src0._typed_storage()._new_shared(numel, device=src0.device)
-                dst = src0.new(storage).view(shape)
-            else:
-                dst = torch.empty(shape, dtype=src0.dtype)
+            nbytes = int(np.prod(shape)) * src0.element_size()
+            dst = _alloc_bytes(nbytes, in_worker).view(src0.dtype).view(shape)
             if len(uniq) == 1:
                 torch.index_select(src0, 0, torch.from_numpy(local), out=dst)
             else:
@@ -317,7 +311,14 @@ class StreamingDataset(IterableDataset):
                     rows = np.flatnonzero(shards == s)
                     dst[torch.from_numpy(rows)] = srcs[s][torch.from_numpy(local[rows])]
             out[name] = dst
-        out["label"] = torch.from_numpy(self.labels[ids])
+        out["label"] = self._labels(ids, in_worker)
+        return out
+
+    def _labels(self, ids: np.ndarray, shared: bool) -> torch.Tensor:
+        """Returns the ``(b,)`` int64 labels of ``ids`` (in shared memory in a worker, like the
+        fields: a plain tensor would be copied into a new shared segment when sent)."""
+        out = _alloc_bytes(8 * len(ids), shared).view(torch.int64)
+        np.take(self.labels, ids, out=out.numpy())
         return out
 
     def _read_batch(self, ids: np.ndarray) -> dict[str, Any] | None:
@@ -356,7 +357,7 @@ class StreamingDataset(IterableDataset):
         out: dict[str, Any] = {
             name: bufs[name].view(_DTYPES[dt]).view(n, *shape) for name, dt, shape, _nb in key
         }
-        out["label"] = torch.from_numpy(self.labels[ids])
+        out["label"] = self._labels(ids, shared)
         return out
 
     def _collate_samples(self, ids: np.ndarray) -> dict[str, Any]:
