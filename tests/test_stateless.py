@@ -469,6 +469,7 @@ def test_mismatched_inputs_are_still_refused_under_compile(dynamo_reset):
                                model_fn(params, buffers, x)[0], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_reduce_overhead_ensemble_step_with_cloned_state_equals_eager():
     # CUDA graph trees return outputs that live in the graph's memory pool; a new call frees
