@@ -49,6 +49,7 @@ from torchopt.update import apply_updates
 from torchfn.functional._accountant import RDPAccountant
 from torchfn.functional._dp_random import fold_in, key_from_seed, normal
 from torchfn.functional._ghost_norms import GhostModel
+from torchfn.functional._graphed import _compile_kwargs
 
 __all__ = [
     "ClippedSum",
@@ -298,10 +299,7 @@ class DPTrainStep:
         """
         new = DPTrainStep.__new__(DPTrainStep)
         new.__dict__.update(self.__dict__)
-        kwargs.setdefault("fullgraph", True)
-        # torch.compile takes mode or options, not both; options are Inductor's
-        if "mode" not in kwargs and kwargs.get("backend", "inductor") == "inductor":
-            kwargs.setdefault("options", dict(self.inductor_options))
+        kwargs = _compile_kwargs(kwargs, self.inductor_options)
         new._call_fn = torch.compile(self._step, **kwargs)
         new._sum_fn = torch.compile(self._clipped_sum, **kwargs)
         new._apply_fn = torch.compile(self._apply, **kwargs)

@@ -68,10 +68,8 @@ def _copy_into(dst: Any, src: Any, where: str) -> None:
 
 
 def _first_device(leaves: list[Any]) -> torch.device:
-    cuda = [t.device for t in leaves if isinstance(t, Tensor) and t.device.type == "cuda"]
-    if cuda:
-        return cuda[0]
-    return torch.device("cpu")
+    return next((t.device for t in leaves if isinstance(t, Tensor) and t.device.type == "cuda"),
+                torch.device("cpu"))
 
 
 class GraphedStep:
@@ -109,6 +107,7 @@ class GraphedStep:
         # the step's own copies: every tensor on the device (CPU scalars such as
         # TrainState.step too -- a CPU op would run once at capture, never at replay)
         self._state = optree.tree_map(self._own, state)
+        self._s_leaves = optree.tree_leaves(self._state)
         self._a_paths, _, self._args_def = optree.tree_flatten_with_path(args)
         self._args = optree.tree_map(self._own, args)
         self._a_leaves = optree.tree_leaves(self._args)
@@ -125,12 +124,10 @@ class GraphedStep:
         if compile is False:
             self._fn: Callable[..., Any] = inplace
         else:
-            kwargs = {"fullgraph": True, **(compile if isinstance(compile, dict) else {})}
             needed = getattr(step, "inductor_options", None)  # e.g. DPTrainStep's
-            if (isinstance(needed, Mapping) and "mode" not in kwargs and "options" not in kwargs
-                    and kwargs.get("backend", "inductor") == "inductor"):
-                kwargs["options"] = dict(needed)
-            self._fn = torch.compile(inplace, **kwargs)
+            self._fn = torch.compile(inplace, **_compile_kwargs(
+                compile if isinstance(compile, dict) else {},
+                needed if isinstance(needed, Mapping) else None))
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: Any = None
         if self.device.type == "cuda":
@@ -185,17 +182,10 @@ class GraphedStep:
         if treedef != self._state_def:
             raise ValueError(f"graphed step: the state must have the structure of the example "
                              f"state, {self._state_def}; got {treedef}")
-        mine = optree.tree_leaves(self._state)
-        for path, t, own in zip(paths, leaves, mine, strict=True):
+        for path, t, own in zip(paths, leaves, self._s_leaves, strict=True):
+            _check_leaf("state", path, t, own)
             if isinstance(own, Tensor):
-                if not isinstance(t, Tensor) or t.shape != own.shape or t.dtype != own.dtype:
-                    raise ValueError(f"graphed step: state{_path(path)} must be "
-                                     f"{tuple(own.shape)} {own.dtype}, got "
-                                     f"{_describe(t)}")
                 own.copy_(t)
-            elif t != own:
-                raise ValueError(f"graphed step: state{_path(path)} must equal {own!r} (a "
-                                 f"constant of the captured step), got {t!r}")
 
     def _check_args(self, args: tuple[Any, ...]) -> list[Any]:
         leaves, treedef = optree.tree_flatten(args)
@@ -204,15 +194,8 @@ class GraphedStep:
                              f"structure of the example arguments, {self._args_def}; got "
                              f"{treedef}")
         for path, t, own in zip(self._a_paths, leaves, self._a_leaves, strict=True):
-            if isinstance(own, Tensor):
-                if t is not own and (not isinstance(t, Tensor) or t.shape != own.shape
-                                     or t.dtype != own.dtype):
-                    raise ValueError(f"graphed step: args{_path(path)} must be "
-                                     f"{tuple(own.shape)} {own.dtype} like the example "
-                                     f"argument, got {_describe(t)}")
-            elif t != own:
-                raise ValueError(f"graphed step: args{_path(path)} must equal {own!r} (a "
-                                 f"constant of the captured step), got {t!r}")
+            if t is not own:
+                _check_leaf("args", path, t, own)
         return leaves
 
     def __call__(self, state: Any, *args: Any) -> tuple[Any, Any]:
@@ -231,6 +214,29 @@ class GraphedStep:
 
 def _describe(x: Any) -> str:
     return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+
+
+def _check_leaf(kind: str, path: tuple[Any, ...], got: Any, own: Any) -> None:
+    """Raise unless ``got`` can stand for the captured leaf ``own`` (``kind``: state or args)."""
+    if isinstance(own, Tensor):
+        if not isinstance(got, Tensor) or got.shape != own.shape or got.dtype != own.dtype:
+            raise ValueError(f"graphed step: {kind}{_path(path)} must be {tuple(own.shape)} "
+                             f"{own.dtype} like the example {kind}, got {_describe(got)}")
+    elif got != own:
+        raise ValueError(f"graphed step: {kind}{_path(path)} must equal {own!r} (a constant "
+                         f"of the captured step), got {got!r}")
+
+
+def _compile_kwargs(kwargs: Mapping[str, Any], options: Mapping[str, Any] | None
+                   ) -> dict[str, Any]:
+    """Return ``torch.compile`` ``kwargs`` (``fullgraph=True`` by default) with Inductor
+    ``options`` a step needs added, unless the caller picked a mode, options or another
+    backend (``torch.compile`` takes a mode or options, not both)."""
+    out = {"fullgraph": True, **kwargs}
+    if (options is not None and "mode" not in out and "options" not in out
+            and out.get("backend", "inductor") == "inductor"):
+        out["options"] = dict(options)
+    return out
 
 
 def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[str, Any] = True,
