@@ -76,8 +76,9 @@ _LEGACY_CHECKSUM = "crc32"  # headers without a "checksum" key
 def _sample_checksum(algorithm: Callable[[Any, int], int], parts: Iterable[Any]) -> int:
     """Returns one sample's checksum over its byte buffers ``parts`` (one per field, name order).
 
-    The only place a sample checksum is computed (writer, ``check``, ``readinto``): each part's
-    value seeds the next, starting from 0.
+    The only place a sample checksum is computed (writer, ``check``, ``readinto``; for a one-field
+    shard ``check_many`` evaluates its one-part case, ``algorithm(part, 0)``, inline): each
+    part's value seeds the next, starting from 0.
     """
     value = 0
     for part in parts:
