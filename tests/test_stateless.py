@@ -471,6 +471,9 @@ def test_mismatched_inputs_are_still_refused_under_compile(dynamo_reset):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+# torch 2.11's CUDA-graph tree manager captures an empty graph to set up its memory pool and
+# CUDA warns that the graph is empty: a remark from inside torch, not about this step.
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_reduce_overhead_ensemble_step_with_cloned_state_equals_eager():
     # CUDA graph trees return outputs that live in the graph's memory pool; a new call frees
     # or overwrites the outputs of the previous one. A train step's outputs ARE its next
