@@ -1,10 +1,8 @@
 """Benchmark: N MLPs (784-256-256-10), batch 128 per member, Adam, one training step.
 
 Side by side at N = 32 (``--members``): a loop of N models with ``torch.optim.Adam``, torchfn
-eager, torchfn compiled (``torch.compile(fullgraph=True, options=step.inductor_options)``),
-``make_graphed_step`` (compiled + one CUDA graph, state donated; with and without the
-``grad_norm`` metric, and without the step's thin-matmul Inductor pass: ``-gemm``), torchfn
-compiled with CUDA graphs (``mode="reduce-overhead"``, CUDA only), JAX ``jit(vmap)`` + optax (skipped with a message if
+eager, torchfn compiled (``torch.compile(fullgraph=True)``), torchfn compiled with CUDA graphs
+(``mode="reduce-overhead"``, CUDA only), JAX ``jit(vmap)`` + optax (skipped with a message if
 JAX is not importable) and, to show what Dynamo's guards cost per call, torchfn compiled with
 only its tensor guards kept (``keep_tensor_guards_unsafe``: not for real use). Then the
 scaling curve of step time vs N = 1, 2, 4, ..., 256 for torchfn compiled (a static compile per
@@ -135,16 +133,13 @@ class TorchfnStep:
         self.model_fn = Ensemble.from_seeds(on_device(sizes, device), seeds=[0]).model_fn
         self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
         # "graphed-nonorm": no grad_norm metric, i.e. the outputs JAX's step has (new params
-        # and optimizer state; the loss is kept); "-gemm": without the step's Inductor options
-        # (thin_matmul_options: the 10-class layer's three thin products as fused reductions
-        # instead of cuBLAS batched GEMMs), to show what they are worth
+        # and optimizer state; the loss is kept)
         step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt,
-                                        grad_norm="nonorm" not in mode)
+                                        grad_norm=mode != "graphed-nonorm")
         self.plain_step = step
         self.mode = mode
-        self.compile_kwargs = {"options": {}} if mode.endswith("-gemm") else True
         if mode == "compiled":
-            step = torch.compile(step, fullgraph=True, options=dict(step.inductor_options))
+            step = torch.compile(step, fullgraph=True)
         elif mode == "reduce-overhead":
             step = torch.compile(step, fullgraph=True, mode="reduce-overhead")
         elif mode == "tensor-guards":
@@ -174,8 +169,7 @@ class TorchfnStep:
             # torchfn.functional.make_graphed_step: compiled, captured as one CUDA graph, the
             # state donated (updated in place); construction compiles and captures
             t0 = time.perf_counter()
-            self.step = make_graphed_step(self.plain_step, state, (x, y),
-                                          compile=self.compile_kwargs)
+            self.step = make_graphed_step(self.plain_step, state, (x, y))
             sync(device)
             build_s = time.perf_counter() - t0
         holder = [state]
@@ -389,7 +383,7 @@ def main() -> None:
     for m, s in steps.items():
         side[f"torchfn_{m}"] = guarded(f"torchfn {m}", budget,
                                        lambda s=s: s.bench(n, sizes, batch, device, reps))
-    for mode in ("graphed", "graphed-nonorm", "graphed-nonorm-gemm"):
+    for mode in ("graphed", "graphed-nonorm"):
         gr = TorchfnStep(sizes, device, mode, n)
         side[f"torchfn_{mode.replace('-', '_')}"] = guarded(
             f"torchfn make_graphed_step ({mode})", budget,

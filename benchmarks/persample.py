@@ -19,8 +19,6 @@ backward, clipping, noise, update):
   book-keeping clipped sum, counter-based noise; ``DPTrainStep.compile()``);
 - ``nonprivate-graphed`` / ``dpsgd-graphed`` (CUDA only): the same two steps through
   ``make_graphed_step`` (compiled, captured as one CUDA graph, state donated);
-  ``-thin``: both also with ``thin_matmul_options()`` (thin products, e.g. the conv1
-  per-sample gradients' ``(B, 32, 784) @ (B, 784, 9)``, as fused reductions, not cuBLAS);
 - ``opacus-hooks``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (materialised per-sample
   gradients); ``opacus-ghost``: Opacus ``GradSampleModuleFastGradientClipping`` +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping`` (ghost clipping, two
@@ -50,7 +48,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +69,6 @@ from torchfn.functional import (
     make_train_step,
     per_sample_grads,
     single_sample_fn,
-    thin_matmul_options,
 )
 
 LR, SIGMA, CLIP, DATASET = 0.01, 1.0, 1.0, 60_000
@@ -171,18 +168,13 @@ def v_torch_eager(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Cal
     return step
 
 
-def _graphed_compile(thin: bool, base: Mapping[str, Any] | None = None) -> bool | dict:
-    """``make_graphed_step``'s ``compile``: default, or the step's options + the thin pass."""
-    return {"options": {**(base or {}), **thin_matmul_options()}} if thin else True
-
-
 def v_nonprivate(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[[], Any]:
     model_fn, params, buffers = make_functional(model)
     opt = torchopt.sgd(LR)
     fn = make_train_step(model_fn, xent_mean, opt)
     box = [init_train_state(params, buffers, opt, seed=0)]
-    if mode.startswith("graphed"):
-        fn = make_graphed_step(fn, box[0], (x, y), compile=_graphed_compile(mode.endswith("thin")))
+    if mode == "graphed":
+        fn = make_graphed_step(fn, box[0], (x, y))
     elif mode == "compiled":
         fn = torch.compile(fn, fullgraph=True)
 
@@ -202,10 +194,9 @@ def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[[], A
     valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     box = [init_dp_state(params, buffers, opt, seed=0)]
     fn: Callable[..., Any] = dp
-    if mode.startswith("graphed"):
+    if mode == "graphed":
         # make_graphed_step applies DPTrainStep.inductor_options (see DPTrainStep.compile)
-        fn = make_graphed_step(dp, box[0], (x, y), valid, compile=_graphed_compile(
-            mode.endswith("thin"), dp.inductor_options))
+        fn = make_graphed_step(dp, box[0], (x, y), valid)
     elif mode == "compiled":
         fn = dp.compile()
 
@@ -377,10 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if device.type == "cuda":  # make_graphed_step: one CUDA graph per step
                 variants[4:4] = [
                     ("nonprivate-graphed", lambda m, x, y: v_nonprivate(m, x, y, "graphed")),
-                    ("dpsgd-graphed", lambda m, x, y: v_dpsgd(m, x, y, "graphed")),
-                    ("nonprivate-graphed-thin",
-                     lambda m, x, y: v_nonprivate(m, x, y, "graphed-thin")),
-                    ("dpsgd-graphed-thin", lambda m, x, y: v_dpsgd(m, x, y, "graphed-thin"))]
+                    ("dpsgd-graphed", lambda m, x, y: v_dpsgd(m, x, y, "graphed"))]
         if name == "cnn":
             variants.append(("psg-torchfn-eager", lambda m, x, y: v_psg_torchfn(m, x, y, False)))
             if not args.no_compile:
@@ -391,8 +379,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 variants.append(("psg-ghost-compiled",
                                  lambda m, x, y: v_psg_ghost(m, x, y, True)))
             variants.append(("psg-jax", None))  # type: ignore[arg-type]
-        if args.only:
-            variants = [v for v in variants if v[0] in args.only.split(",")]
         for variant, make in variants:
             model, x, y = build(name, cfg, device)
             row: dict[str, Any] = {"model": name, "variant": variant, "batch": x.shape[0]}
@@ -426,9 +412,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _base(rows: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
-    mode = ("graphed-thin" if row["variant"].endswith("-graphed-thin")
-            else row["variant"].rsplit("-", 1)[-1])
-    mode = mode if mode in ("compiled", "graphed", "graphed-thin") else "eager"
+    mode = row["variant"].rsplit("-", 1)[-1]
+    mode = mode if mode in ("compiled", "graphed") else "eager"
     for r in rows:
         if r["model"] == row["model"] and r["variant"] == f"nonprivate-{mode}":
             return r.get("median_ms")
@@ -459,8 +444,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for model in sorted({r["model"] for r in rows}):
         for a, b in [("dpsgd-compiled", "nonprivate-compiled"), ("dpsgd-eager", "nonprivate-eager"),
                      ("dpsgd-graphed", "nonprivate-graphed"),
-                     ("dpsgd-graphed-thin", "nonprivate-graphed-thin"),
-                     ("dpsgd-graphed-thin", "nonprivate-graphed"),
                      ("dpsgd-graphed", "nonprivate-compiled"),
                      ("dpsgd-graphed", "opacus-hooks"), ("dpsgd-graphed", "opacus-ghost"),
                      ("dpsgd-compiled", "torch-eager"), ("dpsgd-compiled", "opacus-ghost"),
@@ -506,8 +489,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--tf32", choices=("off", "on"), default="off")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile entries")
-    parser.add_argument("--only", default=None,
-                        help="comma-separated variant names to run (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.small else 50)

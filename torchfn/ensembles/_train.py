@@ -14,7 +14,6 @@ bitwise. A compiled step cannot seed a generator: call it inside ``with step_rng
 from __future__ import annotations
 
 import contextlib
-from types import MappingProxyType
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +25,6 @@ from torchopt.typing import OptState, Params, Updates
 from torchopt.update import apply_updates
 
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
-from torchfn.functional._thin_matmul import thin_matmul_options
 from torchfn.functional._train_step import TrainState, init_train_state, step_rng
 from torchfn.ops._dispatch import functorch_stack
 
@@ -115,11 +113,7 @@ def make_ensemble_train_step(
     them can skip them. No host syncs: ``torch.compile(step, fullgraph=True)`` traces
     once and does not recompile across steps. For the fastest GPU steps use
     :func:`torchfn.functional.make_graphed_step` (compiled, one CUDA graph, state updated in
-    place: 0.32 ms for 32 MLPs on an H100 vs 0.73 ms compiled). The step's
-    ``inductor_options`` attribute (:func:`torchfn.functional.thin_matmul_options`: batched
-    products with a dimension <= 16, such as a 10-class output layer, become fused reductions
-    instead of cuBLAS calls) is applied by ``make_graphed_step``; pass
-    ``options=dict(step.inductor_options)`` to ``torch.compile`` to get it there. With
+    place: 0.32 ms for 32 MLPs on an H100 vs 0.73 ms compiled). With
     ``mode="reduce-overhead"`` instead, the returned tensors live in the graphs' memory pool,
     which the next call reuses, yet they are the next call's inputs: clone the state after each
     call (``state = optree.tree_map(torch.clone, state)``, kept metrics too) and keep
@@ -224,9 +218,6 @@ def make_ensemble_train_step(
                                     if norms else losses.new_zeros(n))
         return new_state, metrics
 
-    # Read by make_graphed_step (and DPTrainStep-style callers): a vmapped classifier's last
-    # layer is a batched GEMM with a tiny dimension that Inductor does better as a reduction.
-    step.inductor_options = MappingProxyType(thin_matmul_options())  # type: ignore[attr-defined]
     return step
 
 

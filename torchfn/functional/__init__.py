@@ -57,9 +57,6 @@ from torchfn.functional._train_step import DynamicLossScaler as DynamicLossScale
 from torchfn.functional._train_step import LossScaleState as LossScaleState
 from torchfn.functional._train_step import TrainState as TrainState
 from torchfn.functional._train_step import init_train_state as init_train_state
-from torchfn.functional._thin_matmul import ThinMatmulPass as ThinMatmulPass
-from torchfn.functional._thin_matmul import decompose_thin_matmuls as decompose_thin_matmuls
-from torchfn.functional._thin_matmul import thin_matmul_options as thin_matmul_options
 from torchfn.functional._train_step import make_train_step as make_train_step
 from torchfn.functional._train_step import step_rng as step_rng
 from torchfn.functional._transforms import empirical_ntk as empirical_ntk
@@ -90,13 +87,11 @@ __all__ = [
     "NormHistory",
     "PoissonSampler",
     "RDPAccountant",
-    "ThinMatmulPass",
     "TrainState",
     "adam",
     "adamw",
     "check_ghost_coverage",
     "compute_rdp",
-    "decompose_thin_matmuls",
     "empirical_ntk",
     "functional_batch_norm",
     "ghost_grad_norms",
@@ -123,7 +118,6 @@ __all__ = [
     "scale_by_adam",
     "single_sample_fn",
     "step_rng",
-    "thin_matmul_options",
     "tree_add",
     "tree_add_scaled",
     "tree_dot",
