@@ -14,6 +14,12 @@ graph): every 2-D ``convolution`` and ``convolution_backward`` with ``groups > 1
 backward, the output gradient) as channels-last copies (``permute -> contiguous -> permute``,
 the same values); cuDNN then picks its NHWC kernels and returns channels-last results, which
 the following convolutions take without another copy where Inductor can fuse it.
+
+End to end (the whole compiled MAML step, H100) the rewrite pays only with cuDNN TF32 on: 49 ms
+vs 108-117 ms without it. In float32 with TF32 off the step got slower (131-142 ms): the
+profile shows cuDNN converting NHWC<->NCHW inside its fp32 grouped kernels (~5,000 small
+conversion kernels a step) and the support-set (5-image) convolutions and the weight gradients
+becoming slower than the NCHW ones -- so it is opt-in (``inductor_options(channels_last=True)``).
 """
 
 from __future__ import annotations

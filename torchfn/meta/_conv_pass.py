@@ -226,12 +226,13 @@ def inductor_options(channels_last: bool = False) -> dict[str, Any]:
     """Return ``torch.compile`` ``options`` that install :class:`GroupedConvDoubleBackwardPass`.
 
     ``channels_last=True`` also runs the grouped convolutions of vmapped per-task conv weights
-    in channels-last where that is cuDNN's fast layout (see
-    :func:`torchfn.meta.channels_last_grouped_convs`). Off by default until it is measured end
-    to end: on an H100 the dominant grouped convolution of the MAML benchmark was 14x faster
-    forward (3.9x fwd+bwd) in channels-last, but the whole compiled step with the rewrite did not
-    finish compiling within the 10-minute benchmark call (without it: 330 s), so neither its
-    speed nor its compile time is known yet.
+    in channels-last (see :func:`torchfn.meta.channels_last_grouped_convs`). Off by default:
+    measured end to end on an H100 (the MAML benchmark, ``benchmarks/meta_profile.py``) it is
+    **slower in float32 with TF32 off** (131-142 ms vs 108-117 ms without it: cuDNN's fp32
+    channels-last grouped kernels convert layouts internally and lose on the small support
+    batches) and **2.2x faster with cuDNN TF32 on** (49 ms), where cuDNN has tensor-core NHWC
+    kernels. Turn it on when you allow TF32 (``torch.backends.cudnn.allow_tf32 = True``, torch's
+    default for convolutions). It adds ~15-30% to the compile time (368-439 s vs 307-329 s).
 
     Example:
         >>> sorted(inductor_options())
