@@ -134,8 +134,10 @@ class TorchfnStep:
         self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
         # "graphed-nonorm": no grad_norm metric, i.e. the outputs JAX's step has (new params
         # and optimizer state; the loss is kept)
+        # "-cdt": Inductor's coordinate-descent tuning of its kernels' launch configs (Adam,
+        # reductions) at compile time
         step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt,
-                                        grad_norm=mode != "graphed-nonorm")
+                                        grad_norm="nonorm" not in mode)
         self.plain_step = step
         self.mode = mode
         if mode == "compiled":
@@ -169,7 +171,9 @@ class TorchfnStep:
             # torchfn.functional.make_graphed_step: compiled, captured as one CUDA graph, the
             # state donated (updated in place); construction compiles and captures
             t0 = time.perf_counter()
-            self.step = make_graphed_step(self.plain_step, state, (x, y))
+            compile_kwargs = ({"options": {"coordinate_descent_tuning": True}}
+                              if self.mode.endswith("-cdt") else True)
+            self.step = make_graphed_step(self.plain_step, state, (x, y), compile=compile_kwargs)
             sync(device)
             build_s = time.perf_counter() - t0
         holder = [state]
@@ -316,6 +320,10 @@ def main() -> None:
                         help="skip the mode='reduce-overhead' variant")
     parser.add_argument("--no-tensor-guards", action="store_true",
                         help="skip the tensor-guards-only variant")
+    parser.add_argument("--graphed", default="graphed,graphed-nonorm",
+                        help="make_graphed_step variants of the side-by-side run: graphed "
+                             "(grad_norm metric), graphed-nonorm, graphed-nonorm-cdt "
+                             "(coordinate-descent tuning)")
     parser.add_argument("--curve", default="graphed-nonorm",
                         choices=("graphed", "graphed-nonorm", "compiled"),
                         help="torchfn variant of the scaling curve (one compile per N)")
@@ -383,7 +391,7 @@ def main() -> None:
     for m, s in steps.items():
         side[f"torchfn_{m}"] = guarded(f"torchfn {m}", budget,
                                        lambda s=s: s.bench(n, sizes, batch, device, reps))
-    for mode in ("graphed", "graphed-nonorm"):
+    for mode in args.graphed.split(","):
         gr = TorchfnStep(sizes, device, mode, n)
         side[f"torchfn_{mode.replace('-', '_')}"] = guarded(
             f"torchfn make_graphed_step ({mode})", budget,
