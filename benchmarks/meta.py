@@ -19,10 +19,11 @@ Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-fix
   ``atcg`` (``max-autotune``), ``cl`` (force Inductor's channels-last layout optimization, which
   it skips by itself for grouped convolutions, i.e. vmapped per-task conv weights),
   ``bench`` (``torch.backends.cudnn.benchmark=True`` for that variant), ``fix`` (install
-  ``torchfn.meta.inductor_options()``: the post-grad pass that turns the per-task loop of
-  weight-gradient convolutions in ATen's conv double backward into one grouped
+  ``torchfn.meta.inductor_options(channels_last=False)``: the post-grad pass that turns the
+  per-task loop of weight-gradient convolutions in ATen's conv double backward into one grouped
   ``convolution_backward``), ``gcl`` (with ``fix``: ``inductor_options(channels_last=True)``,
-  grouped convolutions with >= 16 channels per group in channels-last), ``chunkN`` (tasks in chunks of N). E.g. ``compiled-cg-fix-bench``. ``eager-chunkN``/``eager-bench`` work too.
+  grouped convolutions with >= 16 channels per group in channels-last; the library default
+  ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``chunkN`` (tasks in chunks of N). E.g. ``compiled-cg-fix-bench``. ``eager-chunkN``/``eager-bench`` work too.
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
   ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
   (default: this interpreter) so the two frameworks never share a process; skipped with a

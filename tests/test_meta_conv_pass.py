@@ -165,9 +165,51 @@ def test_channels_last_pass_leaves_ungrouped_convs_alone():
 
 
 def test_inductor_options_channels_last_flag_changes_the_cache_key():
-    on, off = inductor_options(channels_last=True), inductor_options()
-    assert on["post_grad_custom_pre_pass"].channels_last
+    on, off = inductor_options(channels_last=True), inductor_options(channels_last=False)
+    assert on["post_grad_custom_pre_pass"].channels_last is True
+    assert inductor_options()["post_grad_custom_pre_pass"].channels_last == "auto"
     assert on["post_grad_custom_pre_pass"].uuid() != off["post_grad_custom_pre_pass"].uuid()
+    # "auto" decides by the cuDNN TF32 switch when it runs: the switch is part of the key
+    auto = inductor_options()["post_grad_custom_pre_pass"]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+        key_tf32 = auto.uuid()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        key_fp32 = auto.uuid()
+    assert key_tf32 != key_fp32
+
+
+def test_bad_channels_last_is_refused():
+    with pytest.raises(ValueError, match="channels_last: expected True, False or 'auto', "
+                                         "got 'yes'"):
+        inductor_options(channels_last="yes")
+
+
+def _fake_grouped_conv_graph(device: str, dtype: torch.dtype) -> torch.fx.GraphModule:
+    # fake tensors may live on "cuda" without a GPU: the pass only reads their metadata
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 4 * 16, 7, 7, device=device, dtype=dtype)
+        w = torch.empty(4 * 8, 16, 3, 3, device=device, dtype=dtype)
+    return make_fx(lambda x, w: F.conv2d(x, w, padding=1, groups=4))(x, w)
+
+
+@pytest.mark.parametrize("device, dtype, tf32, expected", [
+    ("cuda", torch.float32, True, 1),     # tensor-core NHWC kernels: measured 2.2x faster
+    ("cuda", torch.float32, False, 0),    # fp32 NHWC grouped kernels: measured slower
+    ("cuda", torch.float64, True, 0),
+    ("cpu", torch.float32, True, 0),
+])
+def test_auto_channels_last_only_where_it_pays(device, dtype, tf32, expected):
+    from torchfn.meta import channels_last_grouped_convs, channels_last_pays
+
+    gm = _fake_grouped_conv_graph(device, dtype)
+    x_val = next(iter(gm.graph.nodes)).meta["val"]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+        assert channels_last_pays(x_val) == bool(expected)
+        assert channels_last_grouped_convs(gm.graph, auto=True) == expected
+    # without auto the rewrite is unconditional (16 channels per group >= 16)
+    assert channels_last_grouped_convs(_fake_grouped_conv_graph(device, dtype).graph) == 1
 
 
 @pytest.mark.slow

@@ -3,6 +3,9 @@
 from torchfn.meta._conv_layout import (
     channels_last_grouped_convs as channels_last_grouped_convs,
 )
+from torchfn.meta._conv_layout import (
+    channels_last_pays as channels_last_pays,
+)
 from torchfn.meta._conv_pass import (
     GroupedConvDoubleBackwardPass as GroupedConvDoubleBackwardPass,
 )
@@ -30,6 +33,7 @@ __all__ = [
     "Task",
     "anil",
     "channels_last_grouped_convs",
+    "channels_last_pays",
     "fomaml",
     "fuse_grouped_conv_double_backward",
     "inductor_options",

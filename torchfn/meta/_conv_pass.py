@@ -202,37 +202,45 @@ class GroupedConvDoubleBackwardPass(CustomGraphPass):
 
     With ``channels_last=True`` it then runs
     :func:`torchfn.meta.channels_last_grouped_convs` (grouped convolutions with at least
-    ``min_group_channels`` input channels per group in channels-last).
+    ``min_group_channels`` input channels per group in channels-last); with ``"auto"`` only
+    where :func:`torchfn.meta.channels_last_pays` when the graph is compiled.
     """
 
-    def __init__(self, channels_last: bool = False, min_group_channels: int = 16) -> None:
+    def __init__(self, channels_last: bool | str = "auto", min_group_channels: int = 16) -> None:
+        if channels_last not in (True, False, "auto"):
+            raise ValueError(f"channels_last: expected True, False or 'auto', got "
+                             f"{channels_last!r}")
         self.channels_last, self.min_group_channels = channels_last, min_group_channels
 
     def __call__(self, graph: fx.Graph) -> None:
         fuse_grouped_conv_double_backward(graph)
         if self.channels_last:
-            channels_last_grouped_convs(graph, self.min_group_channels)
+            channels_last_grouped_convs(graph, self.min_group_channels,
+                                        auto=self.channels_last == "auto")
 
     def uuid(self) -> Any:
         h = hashlib.sha256()
         for path in (__file__, _conv_layout.__file__):
             with open(path, "rb") as f:
                 h.update(f.read())
-        h.update(f"{self.channels_last}:{self.min_group_channels}".encode())
+        # "auto" reads the cuDNN TF32 switch when the pass runs: part of the cache key
+        tf32 = bool(torch.backends.cudnn.allow_tf32) if self.channels_last == "auto" else None
+        h.update(f"{self.channels_last}:{self.min_group_channels}:{tf32}".encode())
         return h.hexdigest()
 
 
-def inductor_options(channels_last: bool = False) -> dict[str, Any]:
+def inductor_options(channels_last: bool | str = "auto") -> dict[str, Any]:
     """Return ``torch.compile`` ``options`` that install :class:`GroupedConvDoubleBackwardPass`.
 
-    ``channels_last=True`` also runs the grouped convolutions of vmapped per-task conv weights
-    in channels-last (see :func:`torchfn.meta.channels_last_grouped_convs`). Off by default:
-    measured end to end on an H100 (the MAML benchmark, ``benchmarks/meta_profile.py``) it is
-    **slower in float32 with TF32 off** (131-142 ms vs 108-117 ms without it: cuDNN's fp32
-    channels-last grouped kernels convert layouts internally and lose on the small support
-    batches) and **2.2x faster with cuDNN TF32 on** (49 ms), where cuDNN has tensor-core NHWC
-    kernels. Turn it on when you allow TF32 (``torch.backends.cudnn.allow_tf32 = True``, torch's
-    default for convolutions). It adds ~15-30% to the compile time (368-439 s vs 307-329 s).
+    ``channels_last`` picks the layout of the grouped convolutions of vmapped per-task conv
+    weights (see :func:`torchfn.meta.channels_last_grouped_convs`): ``"auto"`` (default)
+    channels-last exactly where :func:`torchfn.meta.channels_last_pays` -- float32 on CUDA with
+    ``torch.backends.cudnn.allow_tf32`` on (torch's default), read at compile time -- ``True``
+    everywhere, ``False`` never. Measured end to end on an H100 (the MAML benchmark,
+    ``benchmarks/meta_profile.py``): with cuDNN TF32 on the rewrite makes the step **2.2x
+    faster** (49 ms; tensor-core NHWC kernels), with TF32 off **slower** (131-142 ms vs 108-117
+    ms: cuDNN's fp32 channels-last grouped kernels convert layouts internally and lose on the
+    small support batches). It adds ~15-30% to the compile time (368-439 s vs 307-329 s).
 
     Example:
         >>> sorted(inductor_options())
