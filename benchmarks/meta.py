@@ -302,7 +302,13 @@ def main() -> None:
               f"first call {rec['first_call_s']:7.1f} s  "
               f"max rel diff vs eager {'-' if diff is None else f'{diff:.1e}'}", flush=True)
 
+    def save() -> None:  # after every variant: a run cut by a time limit keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+
     for kind, tokens, chunk, mode, name in variants:
+        save()
         if kind == "jax":
             rec = run_jax(args.jax_python, module, tasks, cfg, inner_lr, args.dtype,
                           args.precision, args.warmup, args.repeats)
@@ -340,9 +346,7 @@ def main() -> None:
         rec["max_rel_diff_vs_eager"] = max_rel_diff(grads, reference)
         results["runs"][name] = rec
         report(name, rec)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    save()
 
 
 if __name__ == "__main__":
