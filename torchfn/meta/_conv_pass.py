@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import fx
@@ -206,7 +206,8 @@ class GroupedConvDoubleBackwardPass(CustomGraphPass):
     where :func:`torchfn.meta.channels_last_pays` when the graph is compiled.
     """
 
-    def __init__(self, channels_last: bool | str = "auto", min_group_channels: int = 16) -> None:
+    def __init__(self, channels_last: bool | Literal["auto"] = "auto",
+                 min_group_channels: int = 16) -> None:
         if channels_last not in (True, False, "auto"):
             raise ValueError(f"channels_last: expected True, False or 'auto', got "
                              f"{channels_last!r}")
@@ -229,7 +230,7 @@ class GroupedConvDoubleBackwardPass(CustomGraphPass):
         return h.hexdigest()
 
 
-def inductor_options(channels_last: bool | str = "auto") -> dict[str, Any]:
+def inductor_options(channels_last: bool | Literal["auto"] = "auto") -> dict[str, Any]:
     """Return ``torch.compile`` ``options`` that install :class:`GroupedConvDoubleBackwardPass`.
 
     ``channels_last`` picks the layout of the grouped convolutions of vmapped per-task conv
@@ -237,8 +238,9 @@ def inductor_options(channels_last: bool | str = "auto") -> dict[str, Any]:
     channels-last exactly where :func:`torchfn.meta.channels_last_pays` -- float32 on CUDA with
     ``torch.backends.cudnn.allow_tf32`` on (torch's default), read at compile time -- ``True``
     everywhere, ``False`` never. Measured end to end on an H100 (the MAML benchmark,
-    ``benchmarks/meta_profile.py``): with cuDNN TF32 on the rewrite makes the step **2.2x
-    faster** (49 ms; tensor-core NHWC kernels), with TF32 off **slower** (131-142 ms vs 108-117
+    ``benchmarks/meta_profile.py``): with cuDNN TF32 on the rewritten step takes **49 ms**
+    (tensor-core NHWC kernels; the unrewritten step takes 108-117 ms in float32 and its NCHW
+    grouped kernel has no TF32 path), with TF32 off it is **slower** than unrewritten (131-142
     ms: cuDNN's fp32 channels-last grouped kernels convert layouts internally and lose on the
     small support batches). It adds ~15-30% to the compile time (368-439 s vs 307-329 s).
 
