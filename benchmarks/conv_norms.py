@@ -24,8 +24,8 @@ median of 5; TF32 off. ``--small`` is a CPU smoke test (tiny shapes, correctness
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torchfn.ops import linear_grad_norms_sq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import back_to_back_ms
 
 # (batch, C_in, C_out, H=W, kernel, padding): conv1 and conv2 of the persample.py CNN
 LAYERS = {"conv1": (256, 1, 32, 28, 3, 1), "conv2": (256, 32, 64, 14, 3, 1)}
@@ -72,27 +75,6 @@ METHODS: dict[str, Callable[[Tensor, Tensor, int, int], Tensor]] = {
 }
 
 
-def kernel_ms(fn: Callable[[], object], device: torch.device, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps * 1e3
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / reps)
-    return statistics.median(samples)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny CPU smoke test")
@@ -121,7 +103,8 @@ def main() -> None:
                     if err > 1e-4:
                         raise AssertionError(f"max relative error {err:.1e} vs the float64 "
                                              "reference")
-                    ms = kernel_ms(lambda fn=fn, x=x, g=g, k=k, p=pad: fn(x, g, k, p), device)
+                    ms = back_to_back_ms(lambda fn=fn, x=x, g=g, k=k, p=pad: fn(x, g, k, p),
+                                         device)
                     row += f"  {'compiled' if compiled else 'eager'} {ms:8.3f} ms"
                 except Exception as e:  # record and go on: one method failing is a result
                     row += f"  {'compiled' if compiled else 'eager'} failed: {type(e).__name__}: "

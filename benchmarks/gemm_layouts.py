@@ -13,31 +13,18 @@ serves well, and what the tiny products (10-wide) cost. CUDA only.
 from __future__ import annotations
 
 import itertools
-import statistics
-from collections.abc import Callable
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import back_to_back_ms
 
 N = 32
 SHAPES = {"fwd1": (128, 784, 256), "fwd2": (128, 256, 256), "fwd3": (128, 256, 10),
           "dW3": (10, 128, 256), "dh2": (128, 10, 256), "dW2": (256, 128, 256),
           "dh1": (128, 256, 256), "dW1": (256, 128, 784)}  # name: (M, K, N) per member
-
-
-def kernel_us(fn: Callable[[], object], reps: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / reps * 1e3)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -64,7 +51,7 @@ def main() -> None:
                 def fn(a=a, b=b, out=out) -> object:
                     return torch.bmm(a, b, out=out)
             label = f"A{'T' if ta else 'N'}B{'T' if tb else 'N'}C{'T' if tc else 'N'}"
-            row.append((kernel_us(fn), label))
+            row.append((back_to_back_ms(fn, dev, reps=200, warmup=10) * 1e3, label))
         row.sort()
         gflop = 2 * N * m * k * n / 1e9
         print(f"{name:5s} M{m} K{k} N{n} ({gflop:.2f} GFLOP): "
