@@ -35,7 +35,7 @@ from torch import Tensor
 from torchfn.ops import linear_grad_norms_sq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import back_to_back_ms
+from _bench import back_to_back_ms
 
 # (batch, C_in, C_out, H=W, kernel, padding): conv1 and conv2 of the persample.py CNN
 LAYERS = {"conv1": (256, 1, 32, 28, 3, 1), "conv2": (256, 32, 64, 14, 3, 1)}

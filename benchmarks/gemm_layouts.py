@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import back_to_back_ms
+from _bench import back_to_back_ms
 
 N = 32
 SHAPES = {"fwd1": (128, 784, 256), "fwd2": (128, 256, 256), "fwd3": (128, 256, 10),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 import statistics
 import sys
@@ -42,6 +41,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import write_json
 
 from torchfn import ops
 from torchfn.ops import _activations, reference
@@ -352,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = run(args)
         print_table(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

@@ -26,7 +26,6 @@ eager twin, fwd and fwd+bwd) over batch sizes for each family, to place the disp
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _bench import write_json
 from ops import DTYPES, _timer, copy_bandwidth  # benchmarks/ops.py
 
 from torchfn import ops
@@ -255,10 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = run(args)
         print_table(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

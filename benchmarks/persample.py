@@ -41,7 +41,6 @@ default off) and printed. Prints a table, writes JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
@@ -58,6 +57,9 @@ import torchopt
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import write_json
 
 from torchfn.functional import (
     init_dp_state,
@@ -502,10 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k}: {v}")
     for note in result["errors"]:
         print(note)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

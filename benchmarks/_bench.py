@@ -1,10 +1,13 @@
-"""Kernel-time helper shared by the micro-benchmarks (``gemm_layouts.py``, ``conv_norms.py``)."""
+"""Helpers shared by the benchmark scripts: a back-to-back kernel timer, writing results."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,3 +39,12 @@ def back_to_back_ms(fn: Callable[[], object], device: torch.device, reps: int = 
                 fn()
             times.append((time.perf_counter() - t0) / reps * 1e3)
     return statistics.median(times)
+
+
+def write_json(path: Path | None, result: Any) -> None:
+    """Write ``result`` as indented JSON to ``path`` (creating its folder); no-op for None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
