@@ -15,11 +15,13 @@ CUDA only (the point is cuDNN's kernels). A compile takes 6-8 minutes on the H10
 
     python benchmarks/meta_profile.py --channels-last
     python benchmarks/meta_profile.py --no-channels-last --rows 40
+    python benchmarks/meta_profile.py --inductor loop_ordering_after_fusion=False
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import statistics
 import sys
@@ -44,14 +46,26 @@ def main() -> None:
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                     help="inductor_options(channels_last=...) (default: on)")
     ap.add_argument("--rows", type=int, default=25, help="kernel rows to print")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Inductor option (Python literal value), e.g. "
+                         "loop_ordering_after_fusion=False; repeatable")
     args = ap.parse_args()
+    extra = {}
+    for item in args.inductor:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--inductor: expected KEY=VALUE, got {item!r}")
+        try:
+            extra[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            ap.error(f"--inductor {key}: expected a Python literal value, got {value!r}")
     if not torch.cuda.is_available():
         raise SystemExit("meta_profile.py: needs a CUDA device (it profiles cuDNN kernels)")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(dev)}, config {CFG}, "
-          f"channels_last={args.channels_last}", flush=True)
+          f"channels_last={args.channels_last}, extra Inductor options {extra}", flush=True)
     torch.manual_seed(0)
     module = conv_net(CFG["channels"], CFG["n_way"], CFG["size"]).to(dev)
     tasks = make_tasks(CFG["n_tasks"], CFG["n_way"], CFG["k_shot"], CFG["n_query"],
@@ -59,7 +73,8 @@ def main() -> None:
     model_fn, params, buffers = make_functional(module)
     learner = maml(model_fn, F.cross_entropy, inner_lr=0.01, inner_steps=CFG["steps"])
     step = torch.compile(learner.meta_grad, fullgraph=True,
-                         options=inductor_options(channels_last=args.channels_last))
+                         options={**inductor_options(channels_last=args.channels_last),
+                                  **extra})
 
     def call() -> None:
         step(params, buffers, tasks)
