@@ -18,6 +18,8 @@ def test_doctor_reports_this_machine(capsys):
     assert "usable devices" in out
     rows = dict(doctor_report())
     assert rows["torch"] == torch.__version__
+    assert rows["TF32"] == (f"matmul {torch.backends.cuda.matmul.allow_tf32}, "
+                            f"cuDNN {torch.backends.cudnn.allow_tf32}")
     usable = rows["usable devices"].split(", ")
     assert usable[0] == "cpu"
     assert len(usable) == 1 + (torch.cuda.device_count() if torch.cuda.is_available() else 0)

@@ -52,6 +52,10 @@ def doctor_report(build_ops: bool = True) -> list[tuple[str, str]]:
         rows.append(("torchopt", f"import failed: {e}"))
     rows.append(("torch CUDA build", str(torch.version.cuda) if torch.version.cuda else "none (CPU build)"))
     rows.append(("cpu threads", str(torch.get_num_threads())))
+    # the float32 precision switches change both speed and numbers (torch's defaults: matmul
+    # off, cuDNN on); torchfn.meta.inductor_options() picks conv layouts by the cuDNN one
+    rows.append(("TF32", f"matmul {torch.backends.cuda.matmul.allow_tf32}, "
+                         f"cuDNN {torch.backends.cudnn.allow_tf32}"))
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
