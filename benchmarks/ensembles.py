@@ -134,8 +134,6 @@ class TorchfnStep:
         self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
         # "graphed-nonorm": no grad_norm metric, i.e. the outputs JAX's step has (new params
         # and optimizer state; the loss is kept)
-        # "-cdt": Inductor's coordinate-descent tuning of its kernels' launch configs (Adam,
-        # reductions) at compile time
         step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt,
                                         grad_norm="nonorm" not in mode)
         self.plain_step = step
@@ -171,6 +169,7 @@ class TorchfnStep:
             # torchfn.functional.make_graphed_step: compiled, captured as one CUDA graph, the
             # state donated (updated in place); construction compiles and captures
             t0 = time.perf_counter()
+            # "-cdt": Inductor's coordinate-descent tuning of its kernels' launch configs
             compile_kwargs = ({"options": {"coordinate_descent_tuning": True}}
                               if self.mode.endswith("-cdt") else True)
             self.step = make_graphed_step(self.plain_step, state, (x, y), compile=compile_kwargs)
