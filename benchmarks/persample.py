@@ -19,6 +19,8 @@ backward, clipping, noise, update):
   book-keeping clipped sum, counter-based noise; ``DPTrainStep.compile()``);
 - ``nonprivate-graphed`` / ``dpsgd-graphed`` (CUDA only): the same two steps through
   ``make_graphed_step`` (compiled, captured as one CUDA graph, state donated);
+  ``dpsgd-graphed-unfold``: the DP step with every conv on the unfold route
+  (``make_ghost_model(conv_method="unfold")``);
 - ``opacus-hooks``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (materialised per-sample
   gradients); ``opacus-ghost``: Opacus ``GradSampleModuleFastGradientClipping`` +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping`` (ghost clipping, two
@@ -186,8 +188,9 @@ def v_nonprivate(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[
     return step
 
 
-def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[[], Any]:
-    ghost, params, buffers = make_ghost_model(model)
+def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, mode: str,
+            conv_method: str = "auto") -> Callable[[], Any]:
+    ghost, params, buffers = make_ghost_model(model, conv_method=conv_method)
     fallback = [n for n, k in ghost.layer_kinds.items() if k == "fallback"]
     assert not fallback, f"layers on the vmap fallback: {fallback}"
     opt = torchopt.sgd(LR)
@@ -370,7 +373,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if device.type == "cuda":  # make_graphed_step: one CUDA graph per step
                 variants[4:4] = [
                     ("nonprivate-graphed", lambda m, x, y: v_nonprivate(m, x, y, "graphed")),
-                    ("dpsgd-graphed", lambda m, x, y: v_dpsgd(m, x, y, "graphed"))]
+                    ("dpsgd-graphed", lambda m, x, y: v_dpsgd(m, x, y, "graphed")),
+                    # every conv through unfold (auto sends short patches, conv1's 9, to
+                    # batch-as-groups weight-gradient convolutions on CUDA)
+                    ("dpsgd-graphed-unfold",
+                     lambda m, x, y: v_dpsgd(m, x, y, "graphed", "unfold"))]
         if name == "cnn":
             variants.append(("psg-torchfn-eager", lambda m, x, y: v_psg_torchfn(m, x, y, False)))
             if not args.no_compile:
@@ -381,6 +388,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 variants.append(("psg-ghost-compiled",
                                  lambda m, x, y: v_psg_ghost(m, x, y, True)))
             variants.append(("psg-jax", None))  # type: ignore[arg-type]
+        if args.only:
+            variants = [v for v in variants if v[0] in args.only.split(",")]
         for variant, make in variants:
             model, x, y = build(name, cfg, device)
             row: dict[str, Any] = {"model": name, "variant": variant, "batch": x.shape[0]}
@@ -446,6 +455,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for model in sorted({r["model"] for r in rows}):
         for a, b in [("dpsgd-compiled", "nonprivate-compiled"), ("dpsgd-eager", "nonprivate-eager"),
                      ("dpsgd-graphed", "nonprivate-graphed"),
+                     ("dpsgd-graphed-unfold", "nonprivate-graphed"),
                      ("dpsgd-graphed", "nonprivate-compiled"),
                      ("dpsgd-graphed", "opacus-hooks"), ("dpsgd-graphed", "opacus-ghost"),
                      ("dpsgd-compiled", "torch-eager"), ("dpsgd-compiled", "opacus-ghost"),
@@ -492,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tf32", choices=("off", "on"), default="off")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile entries")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    parser.add_argument("--only", default=None, metavar="VARIANTS",
+                        help="comma-separated variant names to run (default: all)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.small else 50)
     args.warmup = args.warmup or (2 if args.small else 10)

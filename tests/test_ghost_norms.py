@@ -49,10 +49,11 @@ def loop_grads(ghost, params, buffers, x, y, loss_fn) -> dict[str, Tensor]:
 
 
 def assert_matches_loop(module: nn.Module, x: Tensor, y: Tensor, loss_fn=sq_loss,
-                        device: str = "cpu", dtype: torch.dtype = F64) -> None:
+                        device: str = "cpu", dtype: torch.dtype = F64,
+                        conv_method: str = "auto") -> None:
     x = x.to(device, dtype) if x.is_floating_point() else x.to(device)
     y = y.to(device, dtype) if y.is_floating_point() else y.to(device)
-    ghost, params, buffers = make_ghost_model(module.to(device, dtype))
+    ghost, params, buffers = make_ghost_model(module.to(device, dtype), conv_method=conv_method)
     tol = {"rtol": 1e-9, "atol": 1e-11} if dtype == F64 else {"rtol": 2e-4, "atol": 1e-5}
     ref = loop_grads(ghost, params, buffers, x, y, loss_fn)
     res = ghost.per_sample(params, buffers, x, y, loss_fn)
@@ -141,6 +142,37 @@ def test_layer_matches_loop(make, shape) -> None:
     assert_matches_loop(layer, x, y)
 
 
+CONV_LAYERS = [p for p in LAYERS if p.id.startswith("conv")]
+
+
+@pytest.mark.parametrize(("make", "shape"), CONV_LAYERS)
+def test_conv_grouped_route_matches_loop(make, shape) -> None:
+    """The batch-as-groups weight-gradient route (auto on CUDA for short patches), forced."""
+    torch.manual_seed(0)
+    layer = make()
+    x = _x(*shape)
+    y = layer.to(F64)(x).detach() + 0.3 * torch.randn_like(layer(x))
+    assert_matches_loop(layer, x, y, conv_method="grouped")
+
+
+def test_conv_route_choice() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchfn.functional._ghost_layers import conv_uses_grouped
+
+    first, second = nn.Conv2d(1, 32, 3), nn.Conv2d(32, 64, 3)  # patches of 9 and 288
+    with FakeTensorMode():  # fake tensors may sit on "cuda" without a GPU
+        x_cuda = torch.empty(2, 1, 8, 8, device="cuda")
+    x_cpu = torch.empty(2, 1, 8, 8)
+    assert conv_uses_grouped(first, x_cuda, "auto")
+    assert not conv_uses_grouped(second, x_cuda, "auto")
+    assert not conv_uses_grouped(first, x_cpu, "auto")  # CPU: unfold measured no worse
+    assert conv_uses_grouped(second, x_cpu, "grouped")
+    assert not conv_uses_grouped(first, x_cuda, "unfold")
+    with pytest.raises(ValueError, match=r"conv_method=.*expected one of.*'unfold'.*got 'fast'"):
+        make_ghost_model(first, conv_method="fast")
+
+
 @pytest.mark.parametrize("padding_idx", [None, 0], ids=["plain", "padding_idx"])
 @pytest.mark.parametrize("ids_shape", [(), (6,), (2, 3)], ids=["2d", "seq", "4d"])
 def test_embedding_matches_loop(padding_idx, ids_shape) -> None:
@@ -168,7 +200,8 @@ def test_layer_called_twice_and_unused_layer() -> None:
 
     torch.manual_seed(2)
     ids = torch.randint(0, 5, (B, 6))
-    assert_matches_loop(Twice(), ids, torch.randn(B, 4, dtype=F64))
+    for conv_method in ("unfold", "grouped"):
+        assert_matches_loop(Twice(), ids, torch.randn(B, 4, dtype=F64), conv_method=conv_method)
 
 
 class SmallCNN(nn.Module):
@@ -302,11 +335,12 @@ def test_ghost_grad_norms_and_frozen_layers() -> None:
     check_ghost_coverage(ghost, xent, params, buffers, x, y)
 
 
-def test_compiled_equals_eager_without_recompiles() -> None:
+@pytest.mark.parametrize("conv_method", ["unfold", "grouped"])
+def test_compiled_equals_eager_without_recompiles(conv_method) -> None:
     torch.manual_seed(8)
     net = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.Flatten(), nn.Linear(12, 3),
                         nn.LayerNorm(3), nn.PReLU()).to(F64)
-    ghost, params, buffers = make_ghost_model(net)
+    ghost, params, buffers = make_ghost_model(net, conv_method=conv_method)
 
     def f(params, buffers, x, y, coef):
         res = ghost.per_sample(params, buffers, x, y, xent)

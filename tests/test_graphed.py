@@ -90,6 +90,24 @@ def test_train_step_equals_plain_steps(device, compile) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_batches_written_into_inputs_are_used_in_place(device) -> None:
+    step, state = train_setup(device)
+    data = batches(3, device)
+    graphed = make_graphed_step(step, state, data[0])
+    (x_own, y_own), = graphed.inputs
+    assert x_own.data_ptr() != data[0][0].data_ptr()  # the step's own buffers
+    ref, mine = state, state
+    for b in data:
+        ref, m_ref = step(ref, b)
+        x_own.copy_(b[0])
+        y_own.copy_(b[1])
+        mine, m = graphed(mine, *graphed.inputs)
+        torch.testing.assert_close(m["loss"], m_ref["loss"].to(m["loss"].device))
+        assert graphed.inputs[0][0] is x_own  # never replaced
+    assert_trees_close(mine.params, ref.params, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_another_state_is_loaded_like_a_resume(device) -> None:
     step, state = train_setup(device)
     data = batches(4, device)

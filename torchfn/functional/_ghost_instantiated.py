@@ -185,13 +185,14 @@ class FallbackRule(Rule):
         return Instantiated(_sum_calls(per_call))
 
 
-def rule_for(module: nn.Module, fallback_chunk_size: int | None = None) -> Rule:
+def rule_for(module: nn.Module, fallback_chunk_size: int | None = None,
+             conv_method: str = "auto") -> Rule:
     """Return the rule for ``module`` (exact built-in types only; subclasses use the fallback)."""
     t = type(module)
     if t is nn.Linear or t is nn.modules.linear.NonDynamicallyQuantizableLinear:
         return LinearRule()
     if t in (nn.Conv1d, nn.Conv2d):
-        return ConvRule()
+        return ConvRule(conv_method)
     if t is nn.Embedding:
         return EmbeddingRule()
     if t in NORM_TYPES:

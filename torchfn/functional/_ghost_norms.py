@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torchfn.functional._ghost_grads import GhostGrads, GhostResult, Layer
 from torchfn.functional._ghost_instantiated import refuse_batchnorm_training, rule_for
 from torchfn.functional._ghost_layers import (
+    CONV_METHODS,
     Calls,
     GhostLayerError,
     Prepared,
@@ -230,7 +231,7 @@ def _direct_params(m: nn.Module) -> list[Tensor]:
 
 
 def make_ghost_model(
-    module: nn.Module, *, fallback_chunk_size: int | None = None
+    module: nn.Module, *, fallback_chunk_size: int | None = None, conv_method: str = "auto"
 ) -> tuple[GhostModel, TensorDict, TensorDict]:
     """Return ``(ghost, params, buffers)``: ``module`` instrumented for ghost per-sample grads.
 
@@ -242,6 +243,10 @@ def make_ghost_model(
     parameters directly becomes one layer handled by the vmap fallback, together with all its
     submodules (e.g. ``nn.MultiheadAttention``, which reads its ``out_proj`` weights itself).
     ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
+    ``conv_method`` picks how conv layers get their per-sample gradients: ``"unfold"`` (patches,
+    then the linear-layer forms), ``"grouped"`` (weight-gradient convolutions with the batch
+    folded into the groups: no unfold) or ``"auto"`` (grouped on CUDA for patches
+    ``C_in/groups * prod(kernel_size)`` shorter than 16, where it measured faster; else unfold).
 
     Refused with :class:`GhostLayerError`: parameters shared between layers, BatchNorm in
     training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
@@ -257,6 +262,9 @@ def make_ghost_model(
     if not isinstance(module, nn.Module):
         raise TypeError(f"make_ghost_model(module): expected an nn.Module, got "
                         f"{type(module).__name__}")
+    if conv_method not in CONV_METHODS:
+        raise ValueError(f"make_ghost_model(conv_method=...): expected one of {CONV_METHODS}, "
+                         f"got {conv_method!r}")
     tape = Tape()
     root_holder = nn.Module()
     root_holder.root = copy.deepcopy(module)
@@ -271,7 +279,7 @@ def make_ghost_model(
     owner: dict[int, str] = {}
 
     def adopt(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
-        rule = rule_for(m, fallback_chunk_size)
+        rule = rule_for(m, fallback_chunk_size, conv_method)
         rule.check(m, name)
         refuse_batchnorm_training(m, name)
         named = list(m.named_parameters())

@@ -80,8 +80,10 @@ class GraphedStep:
     (pass it straight back in: that costs nothing); passing any other state copies it in first
     (resuming from a checkpoint). ``outputs`` (metrics) are overwritten by the next call too:
     clone what you keep. ``args`` are copied into the graph's input buffers each call; they
-    must keep the shapes, dtypes and structure of the example args.
-    Attributes: ``device``, ``graphed`` (True when a CUDA graph was captured).
+    must keep the shapes, dtypes and structure of the example args. Those buffers are
+    :attr:`inputs`: a loader that writes the next batch into them in place, called as
+    ``step(state, *step.inputs)``, saves that device-to-device copy.
+    Attributes: ``device``, ``graphed`` (True when a CUDA graph was captured), ``inputs``.
     """
 
     def __init__(self, step: Step, state: Any, args: tuple[Any, ...], *,
@@ -139,6 +141,16 @@ class GraphedStep:
     @property
     def graphed(self) -> bool:
         return self._graph is not None
+
+    @property
+    def inputs(self) -> tuple[Any, ...]:
+        """The graph's own input buffers, structured like the example ``args``.
+
+        Write the next batch into them in place (``step.inputs[0].copy_(x, non_blocking=True)``)
+        and call ``step(state, *step.inputs)``: arguments that are these very tensors are not
+        copied again.
+        """
+        return self._args
 
     def _own(self, x: Any) -> Any:
         return x.detach().to(self.device, copy=True) if isinstance(x, Tensor) else x
