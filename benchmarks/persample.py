@@ -19,8 +19,8 @@ backward, clipping, noise, update):
   book-keeping clipped sum, counter-based noise; ``DPTrainStep.compile()``);
 - ``nonprivate-graphed`` / ``dpsgd-graphed`` (CUDA only): the same two steps through
   ``make_graphed_step`` (compiled, captured as one CUDA graph, state donated);
-  ``dpsgd-graphed-unfold``: the DP step with every conv on the unfold route
-  (``make_ghost_model(conv_method="unfold")``);
+  ``dpsgd-graphed-grouped``: the DP step with the convs on the batch-as-groups route
+  (``make_ghost_model(conv_method="grouped")``);
 - ``opacus-hooks``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (materialised per-sample
   gradients); ``opacus-ghost``: Opacus ``GradSampleModuleFastGradientClipping`` +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping`` (ghost clipping, two
@@ -189,7 +189,7 @@ def v_nonprivate(model: nn.Module, x: Tensor, y: Tensor, mode: str) -> Callable[
 
 
 def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, mode: str,
-            conv_method: str = "auto") -> Callable[[], Any]:
+            conv_method: str = "unfold") -> Callable[[], Any]:
     ghost, params, buffers = make_ghost_model(model, conv_method=conv_method)
     fallback = [n for n, k in ghost.layer_kinds.items() if k == "fallback"]
     assert not fallback, f"layers on the vmap fallback: {fallback}"
@@ -374,10 +374,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 variants[4:4] = [
                     ("nonprivate-graphed", lambda m, x, y: v_nonprivate(m, x, y, "graphed")),
                     ("dpsgd-graphed", lambda m, x, y: v_dpsgd(m, x, y, "graphed")),
-                    # every conv through unfold (auto sends short patches, conv1's 9, to
-                    # batch-as-groups weight-gradient convolutions on CUDA)
-                    ("dpsgd-graphed-unfold",
-                     lambda m, x, y: v_dpsgd(m, x, y, "graphed", "unfold"))]
+                    # the convs through batch-as-groups weight-gradient convolutions
+                    ("dpsgd-graphed-grouped",
+                     lambda m, x, y: v_dpsgd(m, x, y, "graphed", "grouped"))]
         if name == "cnn":
             variants.append(("psg-torchfn-eager", lambda m, x, y: v_psg_torchfn(m, x, y, False)))
             if not args.no_compile:
@@ -455,7 +454,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for model in sorted({r["model"] for r in rows}):
         for a, b in [("dpsgd-compiled", "nonprivate-compiled"), ("dpsgd-eager", "nonprivate-eager"),
                      ("dpsgd-graphed", "nonprivate-graphed"),
-                     ("dpsgd-graphed-unfold", "nonprivate-graphed"),
+                     ("dpsgd-graphed-grouped", "nonprivate-graphed"),
                      ("dpsgd-graphed", "nonprivate-compiled"),
                      ("dpsgd-graphed", "opacus-hooks"), ("dpsgd-graphed", "opacus-ghost"),
                      ("dpsgd-compiled", "torch-eager"), ("dpsgd-compiled", "opacus-ghost"),

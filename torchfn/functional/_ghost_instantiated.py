@@ -186,7 +186,7 @@ class FallbackRule(Rule):
 
 
 def rule_for(module: nn.Module, fallback_chunk_size: int | None = None,
-             conv_method: str = "auto") -> Rule:
+             conv_method: str = "unfold") -> Rule:
     """Return the rule for ``module`` (exact built-in types only; subclasses use the fallback)."""
     t = type(module)
     if t is nn.Linear or t is nn.modules.linear.NonDynamicallyQuantizableLinear:

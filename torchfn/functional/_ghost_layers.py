@@ -16,8 +16,8 @@ Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated alon
   by :func:`torchfn.ops.linear_grad_norms_sq` / :func:`torchfn.ops.clipped_linear_grad_sum`.
 - ``nn.Conv1d``/``nn.Conv2d``: the same with ``a`` = the input unfolded into patches
   ``(B, L, C_in/groups * prod(kernel))`` (any stride, padding -- also ``'same'`` and non-zero
-  padding modes --, dilation; groups handled block by block); or, for short patches on CUDA,
-  weight-gradient convolutions with the batch folded into the groups (no unfold).
+  padding modes --, dilation; groups handled block by block); or, opt-in, weight-gradient
+  convolutions with the batch folded into the groups (no unfold: less memory).
 - ``nn.Embedding``: ``G_i[v] = sum_{t: id_it = v} g_it``; ``||G_i||^2`` sums the squared
   norms of the per-id segment sums after a per-sample sort (``O(B T D)``, no ``T x T`` Gram);
   ``padding_idx`` rows get no gradient.
@@ -27,7 +27,6 @@ Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated alon
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from torch import Tensor, nn
 from torchfn.ops import (
     clipped_linear_bias_grad_sum,
     clipped_linear_grad_sum,
+    gram_is_cheaper,
     linear_bias_grad_norms_sq,
     linear_grad_norms_sq,
 )
@@ -103,12 +103,21 @@ class Instantiated(Prepared):
 
 
 class _LinearLike(Prepared):
-    """``G_i = sum_t g_it^T a_it`` per group of a (grouped) linear map; optional bias."""
+    """``G_i = sum_t g_it^T a_it`` per group of a (grouped) linear map; optional bias.
+
+    Sequence inputs whose per-sample gradients are cheaper to materialise than to Gram
+    (``T (d_in + d_out) > d_in d_out``, e.g. convs: ``T`` = output positions) keep them: the
+    norms are their squares, and the weighted sum of book-keeping DP-SGD is then ``sum_i c_i
+    G_i`` over the ``B d_out d_in`` numbers already computed, instead of a second GEMM over the
+    ``B T`` activations (``G`` is smaller than ``a`` and ``g`` exactly when materialising is
+    chosen). On the benchmark CNN's DP-SGD step (H100) this took 1.009 ms to XXX ms.
+    """
 
     def __init__(self, a: Tensor, g: Tensor, groups: int, weight_shape: torch.Size,
                  bias: bool) -> None:
         self.a, self.g = _common(a, g)  # (B, d_in) / (B, d_out) or (B, T, d_in) / (B, T, d_out)
         self.groups, self.weight_shape, self.bias = groups, weight_shape, bias
+        self._kept: Tensor | None = None  # (B, d_out, d_in) once materialised by sq_norms
 
     def _grouped(self) -> tuple[Tensor, Tensor]:
         """``a`` and ``g`` as ``(B, T, G, k)`` and ``(B, T, G, o)``."""
@@ -117,7 +126,17 @@ class _LinearLike(Prepared):
             a, g = a[:, None], g[:, None]
         return a.unflatten(-1, (n, -1)), g.unflatten(-1, (n, -1))
 
+    def _keeps_per_sample(self) -> bool:
+        a, g = self.a, self.g
+        return (self.groups == 1 and a.dim() == 3
+                and not gram_is_cheaper(a.shape[1], a.shape[2], g.shape[2]))
+
     def sq_norms(self) -> Tensor:
+        if self._keeps_per_sample():
+            if self._kept is None:
+                self._kept = torch.bmm(self.g.transpose(1, 2), self.a)  # (B, d_out, d_in)
+            out = self._kept.square().sum((1, 2))
+            return out + linear_bias_grad_norms_sq(self.g) if self.bias else out
         if self.groups == 1:
             return linear_grad_norms_sq(self.a, self.g, bias=self.bias)
         a, g = self._grouped()
@@ -129,7 +148,9 @@ class _LinearLike(Prepared):
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         c = _coef(coef, self.a)
-        if self.groups == 1:
+        if self._kept is not None:
+            w = torch.tensordot(c, self._kept, dims=1)
+        elif self.groups == 1:
             w = _weighted_gemm(self.a, self.g, c)
         else:
             a, g = self._grouped()
@@ -140,11 +161,14 @@ class _LinearLike(Prepared):
         return out
 
     def materialize(self) -> TensorDict:
-        a, g = self._grouped()
-        w = torch.einsum("btgo,btgk->bgok", g, a)
-        out = {"weight": w.reshape(a.shape[0], *self.weight_shape)}
+        if self._kept is not None:
+            w = self._kept
+        else:
+            a, g = self._grouped()
+            w = torch.einsum("btgo,btgk->bgok", g, a)
+        out = {"weight": w.reshape(w.shape[0], *self.weight_shape)}
         if self.bias:
-            out["bias"] = g.sum(1).flatten(1)
+            out["bias"] = self.g.sum(1) if self.g.dim() == 3 else self.g
         return out
 
 
@@ -216,31 +240,11 @@ def _pair(v: Any, n: int) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
 
-CONV_METHODS = ("auto", "unfold", "grouped")
-
-
-def _conv_patch_dim(m: nn.Conv1d | nn.Conv2d) -> int:
-    """``C_in / groups * prod(kernel_size)``: the length of one patch (a row of the unfold)."""
-    k = m.kernel_size if isinstance(m.kernel_size, tuple) else (m.kernel_size,)
-    return m.in_channels // m.groups * math.prod(k)
-
-
-def conv_uses_grouped(m: nn.Conv1d | nn.Conv2d, x: Tensor, method: str) -> bool:
-    """Whether ``method`` (``"auto"``, ``"unfold"``, ``"grouped"``) takes the grouped route.
-
-    ``"auto"`` takes it on CUDA for patches shorter than 16 (e.g. a first layer on 1-channel
-    images, 3x3: 9), where the unfold route's per-sample products have a thin inner dimension
-    that GEMM kernels handle badly: measured on an H100 (``benchmarks/conv_norms.py``), conv
-    1->32, 3x3, 28x28, batch 256: grouped 0.113-0.118 ms, unfold 0.148-0.169 ms; for 32->64
-    channels (patch 288) cuDNN's batch-as-groups kernel is >10x slower than the unfold GEMMs.
-    """
-    if method == "auto":
-        return x.device.type == "cuda" and _conv_patch_dim(m) < 16
-    return method == "grouped"
+CONV_METHODS = ("unfold", "grouped")
 
 
 class _ConvGrouped(Prepared):
-    """Per-sample conv gradients from cuDNN-style weight-gradient convolutions, no unfold.
+    """Per-sample conv gradients from weight-gradient convolutions, no unfold.
 
     Sample ``i``'s weight gradient is the weight gradient of a convolution of ``x_i`` alone;
     folding the batch into the channel dim (``(1, B C_in, H, W)``) and running one weight
@@ -248,6 +252,12 @@ class _ConvGrouped(Prepared):
     *k)``. The weighted sum is the ordinary (whole-batch) weight gradient with ``g`` scaled per
     sample. ``x``: inputs already padded for non-zero padding modes, 2-D (1-D convs as height
     1); one ``(x, g)`` pair per call of the layer.
+
+    It never holds the ``k x k``-times-larger patches of the unfold route (peak memory of the
+    benchmark CNN's DP-SGD step 105 vs 138 MB), but it is slower there on an H100: 1.088 vs
+    1.009 ms for the step with conv1 (1->32 channels) on this route, though its norms alone
+    measured faster (``benchmarks/conv_norms.py``: 0.113 vs 0.148 ms), and >10x slower for
+    conv2 (32->64). Hence opt-in: ``make_ghost_model(conv_method="grouped")``.
     """
 
     def __init__(self, pairs: list[tuple[Tensor, Tensor]], geometry: tuple[Any, ...],
@@ -303,13 +313,12 @@ class ConvRule(Rule):
     """``nn.Conv1d`` / ``nn.Conv2d`` (1-D as height-1 2-D), by one of two routes.
 
     ``"unfold"``: the input unfolded into patches, then the linear-layer forms;
-    ``"grouped"``: weight-gradient convolutions with the batch as groups (:class:`_ConvGrouped`);
-    ``"auto"``: see :func:`conv_uses_grouped`.
+    ``"grouped"``: weight-gradient convolutions with the batch as groups (:class:`_ConvGrouped`).
     """
 
     kind = "conv"
 
-    def __init__(self, method: str = "auto") -> None:
+    def __init__(self, method: str = "unfold") -> None:
         if method not in CONV_METHODS:
             raise ValueError(f"make_ghost_model(conv_method=...): expected one of "
                              f"{CONV_METHODS}, got {method!r}")
@@ -360,7 +369,7 @@ class ConvRule(Rule):
                   for args, kwargs in calls]
         shaped = [self._geometry(module, x, name) for x in inputs]
         geometry = shaped[0][1]
-        if conv_uses_grouped(module, inputs[0], self.method):
+        if self.method == "grouped":
             pairs = [(x, g.to(weight.dtype).reshape(x.shape[0], g.shape[1], -1, g.shape[-1]))
                      for (x, _), (g,) in zip(shaped, grads, strict=True)]
             return _ConvGrouped(pairs, geometry, module.groups, weight.shape, "bias" in params)

@@ -231,7 +231,7 @@ def _direct_params(m: nn.Module) -> list[Tensor]:
 
 
 def make_ghost_model(
-    module: nn.Module, *, fallback_chunk_size: int | None = None, conv_method: str = "auto"
+    module: nn.Module, *, fallback_chunk_size: int | None = None, conv_method: str = "unfold"
 ) -> tuple[GhostModel, TensorDict, TensorDict]:
     """Return ``(ghost, params, buffers)``: ``module`` instrumented for ghost per-sample grads.
 
@@ -244,9 +244,9 @@ def make_ghost_model(
     submodules (e.g. ``nn.MultiheadAttention``, which reads its ``out_proj`` weights itself).
     ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
     ``conv_method`` picks how conv layers get their per-sample gradients: ``"unfold"`` (patches,
-    then the linear-layer forms), ``"grouped"`` (weight-gradient convolutions with the batch
-    folded into the groups: no unfold) or ``"auto"`` (grouped on CUDA for patches
-    ``C_in/groups * prod(kernel_size)`` shorter than 16, where it measured faster; else unfold).
+    then the linear-layer forms; the default, faster on the benchmark CNN) or ``"grouped"``
+    (weight-gradient convolutions with the batch folded into the groups: no ``k x k``-times
+    larger patches in memory).
 
     Refused with :class:`GhostLayerError`: parameters shared between layers, BatchNorm in
     training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
