@@ -155,6 +155,28 @@ def test_conv_grouped_route_matches_loop(make, shape) -> None:
     assert_matches_loop(layer, x, y, conv_method="grouped")
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_bookkeeping_keeps_materialised_grads_where_cheaper(bias) -> None:
+    """DP-SGD's hint: a float32 sequence linear whose norms alone favour the Gram form (T=100 <=
+    256*256/512) but whose norms plus weighted sum favour materialising, keeps ``G_i``."""
+    torch.manual_seed(3)
+    lin = nn.Linear(256, 256, bias=bias)
+    x = torch.randn(3, 100, 256)
+    y = torch.randn(3, 100, 256)
+    ghost, params, buffers = make_ghost_model(lin)
+    coef = torch.rand(3) + 0.1
+    ghost64, params64, _ = make_ghost_model(lin.to(F64))
+    ref = ghost64.per_sample(params64, {}, x.double(), y.double(), sq_loss).grads
+    for bookkeeping in (False, True):
+        res = ghost.per_sample(params, buffers, x, y, sq_loss, bookkeeping=bookkeeping).grads
+        sq, summed = res.sq_norms(), res.weighted_sum(coef)
+        assert (res._layers[""]._kept is not None) == bookkeeping  # the path taken
+        torch.testing.assert_close(sq.double(), ref.sq_norms(), rtol=1e-4, atol=0)
+        expect = ref.weighted_sum(coef.double())
+        for k in params:
+            torch.testing.assert_close(summed[k].double(), expect[k], rtol=1e-4, atol=1e-3)
+
+
 def test_conv_method_is_checked() -> None:
     with pytest.raises(ValueError, match=r"conv_method=.*expected one of.*'grouped'.*got 'fast'"):
         make_ghost_model(nn.Conv2d(1, 2, 3), conv_method="fast")

@@ -197,7 +197,7 @@ class DPTrainStep:
     def _clipped_sum(self, state: DPState, batch: tuple[Any, Any], valid: Tensor) -> ClippedSum:
         inputs, targets = _check_batch(batch)
         res = self._ghost.per_sample(state.params, state.buffers, inputs, targets,
-                                     self._loss_fn)
+                                     self._loss_fn, bookkeeping=True)
         for k, v in res.new_buffers.items():
             if v is not state.buffers[k]:
                 raise ValueError(

@@ -85,6 +85,9 @@ class Prepared:
     def materialize(self) -> TensorDict:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def expect_weighted_sum(self) -> None:
+        """Hint: ``weighted_sum`` will follow ``sq_norms`` (book-keeping DP-SGD)."""
+
 
 class Instantiated(Prepared):
     """Per-sample gradients held explicitly (small parameters, or the vmap fallback)."""
@@ -105,12 +108,16 @@ class Instantiated(Prepared):
 class _LinearLike(Prepared):
     """``G_i = sum_t g_it^T a_it`` per group of a (grouped) linear map; optional bias.
 
-    Sequence inputs whose per-sample gradients are cheaper to materialise than to Gram
-    (``T (d_in + d_out) > d_in d_out``, e.g. convs: ``T`` = output positions) keep them: the
+    Sequence inputs (one group) whose per-sample gradients get materialised keep them: the
     norms are their squares, and the weighted sum of book-keeping DP-SGD is then ``sum_i c_i
     G_i`` over the ``B d_out d_in`` numbers already computed, instead of a second GEMM over the
-    ``B T`` activations (``G`` is smaller than ``a`` and ``g`` exactly when materialising is
-    chosen). On the benchmark CNN's DP-SGD step (H100) this took 1.009 ms to XXX ms.
+    ``B T`` activations. Materialised: when cheaper than the Gram form for the norms alone
+    (``T (d_in + d_out) > d_in d_out``, e.g. convs, ``T`` = output positions), or, once a
+    weighted sum is expected, in float32 without TF32 when the Gram form's ``2 B T^2 (d_in +
+    d_out)`` multiply-adds outweigh moving ``G`` a few times (``T^2 (d_in + d_out) >= 64 d_in
+    d_out``; its memory is then at most ~1.5x the layer's own ``a`` and ``g``). Measured on an
+    H100 (graphed DP-SGD steps, ``benchmarks/results/2026-11-22-persample-h100.md``): CNN 1.009
+    -> 0.866 ms (convs), transformer 6.93 -> 6.49-6.52 ms (its 16 linears at T = 128).
     """
 
     def __init__(self, a: Tensor, g: Tensor, groups: int, weight_shape: torch.Size,
@@ -118,6 +125,10 @@ class _LinearLike(Prepared):
         self.a, self.g = _common(a, g)  # (B, d_in) / (B, d_out) or (B, T, d_in) / (B, T, d_out)
         self.groups, self.weight_shape, self.bias = groups, weight_shape, bias
         self._kept: Tensor | None = None  # (B, d_out, d_in) once materialised by sq_norms
+        self._bookkeeping = False
+
+    def expect_weighted_sum(self) -> None:
+        self._bookkeeping = True
 
     def _grouped(self) -> tuple[Tensor, Tensor]:
         """``a`` and ``g`` as ``(B, T, G, k)`` and ``(B, T, G, o)``."""
@@ -128,8 +139,15 @@ class _LinearLike(Prepared):
 
     def _keeps_per_sample(self) -> bool:
         a, g = self.a, self.g
-        return (self.groups == 1 and a.dim() == 3
-                and not gram_is_cheaper(a.shape[1], a.shape[2], g.shape[2]))
+        if self.groups != 1 or a.dim() != 3:
+            return False
+        t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+        if not gram_is_cheaper(t, d_in, d_out):
+            return True
+        # fp32 SIMT GEMMs: ~13 flop per byte of bandwidth on an H100; with tensor cores (TF32,
+        # half types) the Gram form's FLOPs are ~10x cheaper: not measured, not chosen
+        simt = a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+        return self._bookkeeping and simt and t * t * (d_in + d_out) >= 64 * d_in * d_out
 
     def sq_norms(self) -> Tensor:
         if self._keeps_per_sample():

@@ -153,13 +153,17 @@ class GhostModel:
         return shapes
 
     def per_sample(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
-                   inputs: Any, targets: Any, loss_fn: LossFn) -> GhostResult:
+                   inputs: Any, targets: Any, loss_fn: LossFn, *,
+                   bookkeeping: bool = False) -> GhostResult:
         """Run one forward and one backward; return per-sample gradients in ghost form.
 
         ``outputs, new_buffers = ghost(params, buffers, inputs)``; ``loss_fn(outputs,
         targets)`` must return the ``(B,)`` per-sample losses (e.g. ``F.cross_entropy(...,
         reduction="none")``); sample ``i``'s gradient is that of ``losses[i]``. Works under
-        ``torch.compile(fullgraph=True)``.
+        ``torch.compile(fullgraph=True)``. ``bookkeeping=True`` says a ``weighted_sum`` will
+        follow the norms (DP-SGD's clipped sum): sequence layers may then keep the per-sample
+        gradients the norms materialise, where that makes norms plus sum cheaper (same
+        numbers either way, up to rounding).
 
         Example::
 
@@ -221,6 +225,9 @@ class GhostModel:
             prepared[name] = layer.rule.prepare(
                 layer.module, name, local(params, layer.params), local(buffers, layer.buffers),
                 calls, grads[name])
+        if bookkeeping:
+            for p in prepared.values():
+                p.expect_weighted_sum()
         like = losses.detach()
         ghost_grads = GhostGrads(prepared, self._layers, params, self.frozen, batch, like)
         return GhostResult(ghost_grads, losses, outputs, new_buffers)
