@@ -167,14 +167,23 @@ def test_bookkeeping_keeps_materialised_grads_where_cheaper(bias) -> None:
     coef = torch.rand(3) + 0.1
     ghost64, params64, _ = make_ghost_model(lin.to(F64))
     ref = ghost64.per_sample(params64, {}, x.double(), y.double(), sq_loss).grads
+    expect_sq, expect = ref.sq_norms(), ref.weighted_sum(coef.double())
     for bookkeeping in (False, True):
         res = ghost.per_sample(params, buffers, x, y, sq_loss, bookkeeping=bookkeeping).grads
         sq, summed = res.sq_norms(), res.weighted_sum(coef)
         assert (res._layers[""]._kept is not None) == bookkeeping  # the path taken
-        torch.testing.assert_close(sq.double(), ref.sq_norms(), rtol=1e-4, atol=0)
-        expect = ref.weighted_sum(coef.double())
+        torch.testing.assert_close(sq.double(), expect_sq, rtol=1e-4, atol=0)
         for k in params:
             torch.testing.assert_close(summed[k].double(), expect[k], rtol=1e-4, atol=1e-3)
+
+    def f(params, x, y, coef):  # the choice reads the matmul precision: must trace
+        res = ghost.per_sample(params, buffers, x, y, sq_loss, bookkeeping=True).grads
+        return res.sq_norms(), res.weighted_sum(coef)
+
+    sq_c, summed_c = torch.compile(f, fullgraph=True)(params, x, y, coef)
+    torch.testing.assert_close(sq_c.double(), expect_sq, rtol=1e-4, atol=0)
+    for k in params:
+        torch.testing.assert_close(summed_c[k].double(), expect[k], rtol=1e-4, atol=1e-3)
 
 
 def test_conv_method_is_checked() -> None:

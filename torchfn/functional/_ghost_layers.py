@@ -146,7 +146,7 @@ class _LinearLike(Prepared):
             return True
         # fp32 SIMT GEMMs: ~13 flop per byte of bandwidth on an H100; with tensor cores (TF32,
         # half types) the Gram form's FLOPs are ~10x cheaper: not measured, not chosen
-        simt = a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+        simt = a.dtype == torch.float32 and _fp32_matmul_is_highest()
         return self._bookkeeping and simt and t * t * (d_in + d_out) >= 64 * d_in * d_out
 
     def sq_norms(self) -> Tensor:
@@ -188,6 +188,13 @@ class _LinearLike(Prepared):
         if self.bias:
             out["bias"] = self.g.sum(1) if self.g.dim() == 3 else self.g
         return out
+
+
+@torch.compiler.assume_constant_result
+def _fp32_matmul_is_highest() -> bool:
+    """Whether float32 matmuls run in full fp32 (no TF32); read once per compile (a speed
+    choice only: both paths give the same numbers up to rounding)."""
+    return torch.get_float32_matmul_precision() == "highest"
 
 
 def _weighted_gemm(a: Tensor, g: Tensor, c: Tensor) -> Tensor:
