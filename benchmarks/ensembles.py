@@ -329,7 +329,7 @@ def main() -> None:
                              "(coordinate-descent tuning), graphed-nonorm-inputs (the batch "
                              "passed as the graph's own input buffers: no copy per call)")
     parser.add_argument("--curve", default="graphed-nonorm",
-                        choices=("graphed", "graphed-nonorm", "compiled"),
+                        choices=("graphed", "graphed-nonorm", "graphed-nonorm-inputs", "compiled"),
                         help="torchfn variant of the scaling curve (one compile per N)")
     parser.add_argument("--ns", default=None,
                         help="scaling N values, comma-separated (default 1,2,4,...,256)")
