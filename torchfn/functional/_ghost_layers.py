@@ -116,8 +116,9 @@ class _LinearLike(Prepared):
     weighted sum is expected, in float32 without TF32 when the Gram form's ``2 B T^2 (d_in +
     d_out)`` multiply-adds outweigh moving ``G`` a few times (``T^2 (d_in + d_out) >= 64 d_in
     d_out``; its memory is then at most ~1.5x the layer's own ``a`` and ``g``). Measured on an
-    H100 (graphed DP-SGD steps, ``benchmarks/results/2026-11-22-persample-h100.md``): CNN 1.009
-    -> 0.866 ms (convs), transformer 6.93 -> 6.49-6.52 ms (its 16 linears at T = 128).
+    H100 (graphed DP-SGD steps, ``benchmarks/results/2026-11-22-persample-h100.md``): CNN DP /
+    non-private 1.41x -> 1.24x (its convs; runs 4 and 5), transformer 6.93 -> 6.49-6.52 ms in
+    one run (its 16 linears at T = 128).
     """
 
     def __init__(self, a: Tensor, g: Tensor, groups: int, weight_shape: torch.Size,
@@ -278,11 +279,12 @@ class _ConvGrouped(Prepared):
     sample. ``x``: inputs already padded for non-zero padding modes, 2-D (1-D convs as height
     1); one ``(x, g)`` pair per call of the layer.
 
-    It never holds the ``k x k``-times-larger patches of the unfold route (peak memory of the
-    benchmark CNN's DP-SGD step 105 vs 138 MB), but it is slower there on an H100: 1.088 vs
-    1.009 ms for the step with conv1 (1->32 channels) on this route, though its norms alone
-    measured faster (``benchmarks/conv_norms.py``: 0.113 vs 0.148 ms), and >10x slower for
-    conv2 (32->64). Hence opt-in: ``make_ghost_model(conv_method="grouped")``.
+    It never holds the ``prod(kernel)``-times-larger patches of the unfold route, but it is
+    slower on an H100: the benchmark CNN's graphed DP-SGD step took 1.088 vs 1.009 ms with
+    conv1 (1->32 channels) on this route, though conv1's norms alone measured faster
+    (``benchmarks/conv_norms.py``: 0.113 vs 0.148 ms), and cuDNN's batch-as-groups kernel is
+    >10x slower than the unfold GEMMs for conv2 (32->64). Hence opt-in:
+    ``make_ghost_model(conv_method="grouped")``.
     """
 
     def __init__(self, pairs: list[tuple[Tensor, Tensor]], geometry: tuple[Any, ...],
