@@ -275,7 +275,10 @@ def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[s
 
     Calls return ``(state, outputs)`` where ``state`` is the step's own copy, overwritten by the
     next call (as ``jax.jit``'s ``donate_argnums``): feed it back, clone what you keep. The
-    results equal calling ``step`` (compiled) directly, step after step.
+    results equal calling ``step`` (compiled) directly, step after step. Each call copies
+    ``args`` into the graph's input buffers, unless they are those buffers: write the next
+    batch into :attr:`GraphedStep.inputs` and call ``step(state, *step.inputs)`` to skip the
+    copy (for the 32-MLP ensemble benchmark on an H100, 0.306 vs 0.323 ms a step).
 
     Example:
         >>> import torch
