@@ -133,13 +133,18 @@ LAYERS = [
 ]
 
 
-@pytest.mark.parametrize(("make", "shape"), LAYERS)
-def test_layer_matches_loop(make, shape) -> None:
+def check_layer(make, shape, conv_method: str = "unfold") -> None:
+    """One layer alone on random float64 inputs and noisy targets, against the loop."""
     torch.manual_seed(0)
     layer = make()
     x = _x(*shape)
     y = layer.to(F64)(x).detach() + 0.3 * torch.randn_like(layer(x))
-    assert_matches_loop(layer, x, y)
+    assert_matches_loop(layer, x, y, conv_method=conv_method)
+
+
+@pytest.mark.parametrize(("make", "shape"), LAYERS)
+def test_layer_matches_loop(make, shape) -> None:
+    check_layer(make, shape)
 
 
 CONV_LAYERS = [p for p in LAYERS if p.id.startswith("conv")]
@@ -148,11 +153,7 @@ CONV_LAYERS = [p for p in LAYERS if p.id.startswith("conv")]
 @pytest.mark.parametrize(("make", "shape"), CONV_LAYERS)
 def test_conv_grouped_route_matches_loop(make, shape) -> None:
     """The opt-in batch-as-groups weight-gradient route (no unfold)."""
-    torch.manual_seed(0)
-    layer = make()
-    x = _x(*shape)
-    y = layer.to(F64)(x).detach() + 0.3 * torch.randn_like(layer(x))
-    assert_matches_loop(layer, x, y, conv_method="grouped")
+    check_layer(make, shape, "grouped")
 
 
 @pytest.mark.parametrize("bias", [True, False])
