@@ -23,7 +23,11 @@ Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-fix
   per-task loop of weight-gradient convolutions in ATen's conv double backward into one grouped
   ``convolution_backward``), ``gcl`` (with ``fix``: ``inductor_options(channels_last=True)``,
   grouped convolutions with >= 16 channels per group in channels-last; the library default
-  ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``chunkN`` (tasks in chunks of N). E.g. ``compiled-cg-fix-bench``. ``eager-chunkN``/``eager-bench`` work too.
+  ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``unfold`` (the model through
+  ``torchfn.meta.unfold_convs``: layers 2-4 as unfold + matmul, batched GEMMs over the tasks
+  instead of grouped cuDNN convolutions), ``chunkN`` (tasks in chunks of N). E.g.
+  ``compiled-cg-fix-bench``, ``compiled-fix-unfold``. ``eager-chunkN``/``eager-bench``/
+  ``eager-unfold`` work too.
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
   ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
   (default: this interpreter) so the two frameworks never share a process; skipped with a
@@ -60,7 +64,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from torchfn.functional import make_functional
-from torchfn.meta import Task, inductor_options, maml
+from torchfn.meta import Task, inductor_options, maml, unfold_convs
 
 EPS = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -202,8 +206,8 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     if kind not in ("loop", "eager", "compiled", "jax") or (kind in ("loop", "jax") and rest):
         raise SystemExit(f"meta.py --variants: unknown variant {name!r} (see --help)")
     tokens, chunk = set(), None
-    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl"} if kind == "compiled"
-             else {"bench"})
+    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "unfold"} if kind == "compiled"
+             else {"bench", "unfold"})
     for tok in rest:
         if tok.startswith("chunk") and tok[5:].isdigit():
             chunk = int(tok[5:])
@@ -283,6 +287,8 @@ def main() -> None:
     tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"],
                        cfg["size"], device, dtype)
     model_fn, params, buffers = make_functional(module)
+    # the "unfold" token: layers 2-4 as unfold + matmul (same parameter names and values)
+    unfold_model_fn = make_functional(unfold_convs(module))[0]
     results: dict = {"config": cfg, "device": str(device), "dtype": args.dtype,
                      "precision": args.precision, "torch": torch.__version__,
                      "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
@@ -325,8 +331,9 @@ def main() -> None:
                 def fn() -> dict[str, Tensor]:
                     return loop_meta_grad(ref_module, tasks, inner_lr, cfg["steps"])
             else:
-                learner = maml(model_fn, F.cross_entropy, inner_lr=inner_lr,
-                               inner_steps=cfg["steps"], chunk_size=chunk)
+                learner = maml(unfold_model_fn if "unfold" in tokens else model_fn,
+                               F.cross_entropy, inner_lr=inner_lr, inner_steps=cfg["steps"],
+                               chunk_size=chunk)
                 call = learner.meta_grad
                 if kind == "compiled":
                     if "fix" in tokens:  # compile takes a mode or options, not both

@@ -25,12 +25,15 @@ from torchfn.meta._step import make_meta_train_step as make_meta_train_step
 from torchfn.meta._tasks import Task as Task
 from torchfn.meta._tasks import sinusoid_tasks as sinusoid_tasks
 from torchfn.meta._tasks import stack_episodes as stack_episodes
+from torchfn.meta._unfold_conv import UnfoldConv2d as UnfoldConv2d
+from torchfn.meta._unfold_conv import unfold_convs as unfold_convs
 
 __all__ = [
     "LR_PREFIX",
     "GroupedConvDoubleBackwardPass",
     "MetaLearner",
     "Task",
+    "UnfoldConv2d",
     "anil",
     "channels_last_grouped_convs",
     "channels_last_pays",
@@ -44,4 +47,5 @@ __all__ = [
     "reptile",
     "sinusoid_tasks",
     "stack_episodes",
+    "unfold_convs",
 ]

@@ -1,0 +1,126 @@
+"""unfold_convs / UnfoldConv2d: the same convolution (values, gradients to second order, MAML
+meta-gradients) as nn.Conv2d, in float64 on random inputs; only eligible layers are swapped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchfn.functional import make_functional
+from torchfn.meta import Task, UnfoldConv2d, maml, unfold_convs
+
+DT = torch.float64
+
+CONVS = [
+    pytest.param(lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 6, 5), id="3x3-pad1"),
+    pytest.param(lambda: nn.Conv2d(2, 5, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+                 (2, 7, 6), id="stride-pad-dilation"),
+    pytest.param(lambda: nn.Conv2d(3, 2, 3, padding="valid", bias=False), (3, 5, 5),
+                 id="valid-nobias"),
+]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize(("make", "shape"), CONVS)
+def test_unfold_conv_equals_conv2d_to_second_order(make, shape, batched) -> None:
+    torch.manual_seed(0)
+    conv = make().to(DT)
+    fast = UnfoldConv2d(conv)  # shares conv's parameters
+    x = torch.randn(*((4,) if batched else ()), *shape, dtype=DT, requires_grad=True)
+    target = torch.randn_like(conv(x))
+
+    def second_order(module: nn.Module) -> list[torch.Tensor]:
+        out = module(x)
+        loss = ((out - target) ** 2).sum()
+        params = [x, *module.parameters()]
+        first = torch.autograd.grad(loss, params, create_graph=True)
+        penalty = sum((g ** 2).sum() for g in first)  # a gradient penalty: double backward
+        return [out, *first, *torch.autograd.grad(penalty, params)]
+
+    for got, want in zip(second_order(fast), second_order(conv), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_unfold_convs_swaps_only_eligible_layers() -> None:
+    class MyConv(nn.Conv2d):
+        pass
+
+    torch.manual_seed(1)
+    net = nn.Sequential(
+        nn.Conv2d(1, 8, 3),                             # patch 9 < 64: stays
+        nn.Conv2d(8, 8, 3),                             # patch 72: swapped
+        nn.Sequential(nn.Conv2d(8, 8, 3, groups=2)),    # grouped: stays
+        nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),  # padding mode: stays
+        nn.Conv2d(8, 8, 3, padding="same"),             # 'same': stays
+        MyConv(8, 8, 3),                                # subclass: stays
+    )
+    fast = unfold_convs(net)
+    kinds = [type(m).__name__ for m in fast.modules()][1:]
+    assert kinds == ["Conv2d", "UnfoldConv2d", "Sequential", "Conv2d", "Conv2d", "Conv2d",
+                     "MyConv"]
+    assert all(type(m) is nn.Conv2d for m in net[:2])  # the original is left alone
+    want, got = dict(net.named_parameters()), dict(fast.named_parameters())
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]) and got[k] is not want[k]
+    assert type(unfold_convs(net, min_patch=1)[0]) is UnfoldConv2d
+    assert type(unfold_convs(nn.Conv2d(8, 8, 3))) is UnfoldConv2d  # a bare conv as the root
+    x = torch.randn(2, 1, 16, 16)
+    torch.testing.assert_close(fast(x), net(x), rtol=1e-5, atol=1e-5)
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    c_in = 1
+    for _ in range(2):
+        layers += [nn.Conv2d(c_in, 3, 3, padding=1), nn.BatchNorm2d(3, track_running_stats=False),
+                   nn.ReLU(), nn.MaxPool2d(2)]
+        c_in = 3
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(12, 4)).to(DT)
+
+
+def _tasks() -> Task:
+    g = torch.Generator().manual_seed(1)
+    labels = torch.arange(4).repeat(3, 2)
+    return Task(torch.randn(3, 8, 1, 8, 8, generator=g, dtype=DT), labels,
+                torch.randn(3, 8, 1, 8, 8, generator=g, dtype=DT), labels)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_maml_meta_gradient_is_unchanged(compiled) -> None:
+    """Second-order MAML with BatchNorm over vmapped tasks: same meta-gradient as nn.Conv2d."""
+    net = _conv_net()
+    tasks = _tasks()
+
+    def meta_grad(module: nn.Module) -> dict[str, torch.Tensor]:
+        model_fn, params, buffers = make_functional(module)
+        learner = maml(model_fn, F.cross_entropy, inner_lr=0.1, inner_steps=2)
+        fn = learner.meta_grad
+        if compiled:
+            fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        return fn(params, buffers, tasks)[0]
+
+    want = meta_grad(net)
+    got = meta_grad(unfold_convs(net, min_patch=1))
+    assert sorted(got) == sorted(want)
+    # conv biases in front of BatchNorm have an exactly-zero gradient: compare on the global scale
+    scale = max(float(w.abs().max()) for w in want.values())
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-12 * scale, msg=k)
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(ValueError, match=r"UnfoldConv2d\(conv\): expected groups=1.*groups=2"):
+        UnfoldConv2d(nn.Conv2d(4, 4, 3, groups=2))
+    with pytest.raises(TypeError, match=r"expected an nn.Conv2d, got Conv1d"):
+        UnfoldConv2d(nn.Conv1d(4, 4, 3))  # type: ignore[arg-type]
+    fast = UnfoldConv2d(nn.Conv2d(4, 4, 3))
+    with pytest.raises(ValueError, match=r"expected input \(B, 4, H, W\).*got shape \(2, 3, 8, 8\)"):
+        fast(torch.randn(2, 3, 8, 8))
+    with pytest.raises(ValueError, match=r"min_patch=...\): expected an int >= 1, got 0"):
+        unfold_convs(nn.Conv2d(4, 4, 3), min_patch=0)
+    with pytest.raises(TypeError, match=r"unfold_convs\(module\): expected an nn.Module, got str"):
+        unfold_convs("net")  # type: ignore[arg-type]
