@@ -5,42 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from _meta_nets import DT, N_TASKS, conv_net, conv_tasks
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchfn.functional import make_functional
 from torchfn.meta import (
     GroupedConvDoubleBackwardPass,
-    Task,
     fuse_grouped_conv_double_backward,
     inductor_options,
     maml,
 )
 
-DT = torch.float64
-N_TASKS, N_WAY, SIZE = 3, 4, 8
-
-
-def _conv_net() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    c_in = 1
-    for _ in range(2):
-        layers += [nn.Conv2d(c_in, 3, 3, padding=1), nn.BatchNorm2d(3, track_running_stats=False),
-                   nn.ReLU(), nn.MaxPool2d(2)]
-        c_in = 3
-    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(3 * (SIZE // 4) ** 2, N_WAY)).to(DT)
-
-
-def _tasks() -> Task:
-    g = torch.Generator().manual_seed(1)
-    labels = torch.arange(N_WAY).repeat(N_TASKS, 2)
-    return Task(torch.randn(N_TASKS, 2 * N_WAY, 1, SIZE, SIZE, generator=g, dtype=DT), labels,
-                torch.randn(N_TASKS, 2 * N_WAY, 1, SIZE, SIZE, generator=g, dtype=DT), labels)
-
 
 def _meta_grad_fn(inner_steps: int):
-    model_fn, params, _ = make_functional(_conv_net())
+    model_fn, params, _ = make_functional(conv_net())
     learner = maml(model_fn, F.cross_entropy, inner_lr=0.1, inner_steps=inner_steps)
     return (lambda p, t: learner.meta_grad(p, {}, t)[0]), params
 
@@ -59,7 +37,7 @@ def _assert_close(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("inner_steps", [1, 3])
 def test_pass_rewrites_the_per_task_loop_and_keeps_the_meta_gradient(inner_steps):
     f, params = _meta_grad_fn(inner_steps)
-    tasks = _tasks()
+    tasks = conv_tasks()
     gm = make_fx(f)(params, tasks)
     gm.graph.eliminate_dead_code()  # the pass removes dead code, so count without it
     before = _n_convs(gm)
@@ -99,7 +77,7 @@ def test_inductor_with_the_pass_equals_eager():
             counts.append(fuse_grouped_conv_double_backward(graph))
 
     f, params = _meta_grad_fn(2)
-    tasks = _tasks()
+    tasks = conv_tasks()
     # no on-disk caches: a cached graph (same pass uuid, from an earlier run) skips the pass
     with torch._functorch.config.patch(enable_autograd_cache=False):
         got = torch.compile(f, fullgraph=True,
@@ -133,7 +111,7 @@ def test_channels_last_pass_converts_only_wide_grouped_convs_and_keeps_the_meta_
     from torchfn.meta import channels_last_grouped_convs
 
     f, params = _meta_grad_fn(3)
-    tasks = _tasks()
+    tasks = conv_tasks()
     gm = make_fx(f, tracing_mode="fake")(params, tasks)
     fuse_grouped_conv_double_backward(gm.graph)
     # layer 2 has 3 input channels per task; layer 1 has 1 (stays NCHW)
@@ -216,7 +194,7 @@ def test_auto_channels_last_only_where_it_pays(device, dtype, tf32, expected):
 def test_inductor_with_the_channels_last_pass_equals_eager():
     """Inductor (CPU) with both rewrites on the 3-channel net: same meta-gradient."""
     f, params = _meta_grad_fn(2)
-    tasks = _tasks()
+    tasks = conv_tasks()
     with torch._functorch.config.patch(enable_autograd_cache=False):
         got = torch.compile(f, fullgraph=True, options={
             "post_grad_custom_pre_pass": GroupedConvDoubleBackwardPass(

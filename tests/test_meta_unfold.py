@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _meta_nets import DT, conv_net, conv_tasks
 from torch import nn
 
 from torchfn.functional import make_functional
-from torchfn.meta import Task, UnfoldConv2d, maml, unfold_convs
-
-DT = torch.float64
+from torchfn.meta import UnfoldConv2d, maml, unfold_convs
 
 CONVS = [
     pytest.param(lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 6, 5), id="3x3-pad1"),
@@ -71,29 +70,11 @@ def test_unfold_convs_swaps_only_eligible_layers() -> None:
     torch.testing.assert_close(fast(x), net(x), rtol=1e-5, atol=1e-5)
 
 
-def _conv_net() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    c_in = 1
-    for _ in range(2):
-        layers += [nn.Conv2d(c_in, 3, 3, padding=1), nn.BatchNorm2d(3, track_running_stats=False),
-                   nn.ReLU(), nn.MaxPool2d(2)]
-        c_in = 3
-    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(12, 4)).to(DT)
-
-
-def _tasks() -> Task:
-    g = torch.Generator().manual_seed(1)
-    labels = torch.arange(4).repeat(3, 2)
-    return Task(torch.randn(3, 8, 1, 8, 8, generator=g, dtype=DT), labels,
-                torch.randn(3, 8, 1, 8, 8, generator=g, dtype=DT), labels)
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_maml_meta_gradient_is_unchanged(compiled) -> None:
     """Second-order MAML with BatchNorm over vmapped tasks: same meta-gradient as nn.Conv2d."""
-    net = _conv_net()
-    tasks = _tasks()
+    net = conv_net()
+    tasks = conv_tasks()
 
     def meta_grad(module: nn.Module) -> dict[str, torch.Tensor]:
         model_fn, params, buffers = make_functional(module)
