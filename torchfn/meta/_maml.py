@@ -46,6 +46,12 @@ class MetaLearner:
     :func:`torchfn.functional.make_functional`); ``loss_fn(outputs, targets)`` returns a
     scalar mean loss. A model in training mode normalises with each task's own batch
     statistics (transductive BatchNorm, per task, as in the MAML paper).
+
+    Speed, for conv nets compiled on CUDA: pass ``torch.compile`` the options of
+    :func:`torchfn.meta.inductor_options`, and consider building ``model_fn`` from
+    :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
+    instead of grouped cuDNN convolutions; 7x faster per layer in an fp32 micro-benchmark, not
+    yet timed on a whole step).
     """
 
     def __init__(
