@@ -327,6 +327,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
+        if world > 1:
+            dist.barrier()  # no rank tears the process group down while another uses it
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -87,4 +87,5 @@ dist.all_reduce(spread, op=dist.ReduceOp.MAX)
 assert torch.equal(spread, flat), "replicas diverged"
 if info.rank == 0:
     print(f"replicas identical; checkpoint at {ckpt}")
+dist.barrier()  # no rank tears the process group down while another still uses it
 dist.destroy_process_group()

@@ -232,6 +232,9 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
                                   counter.frame_count)
 
         torch.save(out, os.path.join(root, f"rank{rank}.pt"))
+        # no rank tears gloo down while the other may still be finishing its last collective
+        # (that race aborted a rank: "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
