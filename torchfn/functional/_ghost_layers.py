@@ -322,10 +322,11 @@ class _ConvGrouped(Prepared):
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         c = _coef(coef, self.pairs[0][1])[:, None, None, None]
-        w = sum(self._wgrad(x, g * c, self.groups) for x, g in self.pairs)
+        scaled = [(x, g * c) for x, g in self.pairs]
+        w = sum(self._wgrad(x, gc, self.groups) for x, gc in scaled)
         out = {"weight": w.reshape(self.weight_shape)}  # type: ignore[union-attr]
         if self.bias:
-            out["bias"] = sum((g * c).sum((0, 2, 3)) for _, g in self.pairs)  # type: ignore[assignment]
+            out["bias"] = sum(gc.sum((0, 2, 3)) for _, gc in scaled)  # type: ignore[assignment]
         return out
 
     def materialize(self) -> TensorDict:
@@ -346,10 +347,7 @@ class ConvRule(Rule):
     kind = "conv"
 
     def __init__(self, method: str = "unfold") -> None:
-        if method not in CONV_METHODS:
-            raise ValueError(f"make_ghost_model(conv_method=...): expected one of "
-                             f"{CONV_METHODS}, got {method!r}")
-        self.method = method
+        self.method = method  # one of CONV_METHODS, checked by make_ghost_model
 
     def check(self, module: nn.Module, name: str) -> None:
         assert isinstance(module, (nn.Conv1d, nn.Conv2d))
