@@ -25,7 +25,8 @@ Variants (``--variants``, comma list; default ``loop,eager,compiled,compiled-fix
   grouped convolutions with >= 16 channels per group in channels-last; the library default
   ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``unfold`` (the model through
   ``torchfn.meta.unfold_convs``: layers 2-4 as unfold + matmul, batched GEMMs over the tasks
-  instead of grouped cuDNN convolutions), ``chunkN`` (tasks in chunks of N). E.g.
+  instead of grouped cuDNN convolutions), ``unfoldall`` (all four layers so, the 1-channel first
+  one too: no convolution left), ``chunkN`` (tasks in chunks of N). E.g.
   ``compiled-cg-fix-bench``, ``compiled-fix-unfold``. ``eager-chunkN``/``eager-bench``/
   ``eager-unfold`` work too.
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
@@ -206,8 +207,8 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     if kind not in ("loop", "eager", "compiled", "jax") or (kind in ("loop", "jax") and rest):
         raise SystemExit(f"meta.py --variants: unknown variant {name!r} (see --help)")
     tokens, chunk = set(), None
-    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "unfold"} if kind == "compiled"
-             else {"bench", "unfold"})
+    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "unfold", "unfoldall"}
+             if kind == "compiled" else {"bench", "unfold", "unfoldall"})
     for tok in rest:
         if tok.startswith("chunk") and tok[5:].isdigit():
             chunk = int(tok[5:])
@@ -287,8 +288,10 @@ def main() -> None:
     tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"],
                        cfg["size"], device, dtype)
     model_fn, params, buffers = make_functional(module)
-    # the "unfold" token: layers 2-4 as unfold + matmul (same parameter names and values)
-    unfold_model_fn = make_functional(unfold_convs(module))[0]
+    # the "unfold" token: layers 2-4 as unfold + matmul (same parameter names and values);
+    # "unfoldall": all four, the 1-channel first layer too
+    unfold_fns = {tok: make_functional(unfold_convs(module, min_patch=p))[0]
+                  for tok, p in (("unfold", 64), ("unfoldall", 1))}
     results: dict = {"config": cfg, "device": str(device), "dtype": args.dtype,
                      "precision": args.precision, "torch": torch.__version__,
                      "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
@@ -331,7 +334,10 @@ def main() -> None:
                 def fn() -> dict[str, Tensor]:
                     return loop_meta_grad(ref_module, tasks, inner_lr, cfg["steps"])
             else:
-                learner = maml(unfold_model_fn if "unfold" in tokens else model_fn,
+                fn_tok = [t for t in ("unfold", "unfoldall") if t in tokens]
+                if len(fn_tok) > 1:
+                    raise SystemExit(f"meta.py --variants: {name!r} names unfold and unfoldall")
+                learner = maml(unfold_fns[fn_tok[0]] if fn_tok else model_fn,
                                F.cross_entropy, inner_lr=inner_lr, inner_steps=cfg["steps"],
                                chunk_size=chunk)
                 call = learner.meta_grad
