@@ -47,11 +47,12 @@ class MetaLearner:
     scalar mean loss. A model in training mode normalises with each task's own batch
     statistics (transductive BatchNorm, per task, as in the MAML paper).
 
-    Speed, for conv nets compiled on CUDA: pass ``torch.compile`` the options of
-    :func:`torchfn.meta.inductor_options`, and consider building ``model_fn`` from
+    Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
-    instead of grouped cuDNN convolutions; 7x faster per layer in an fp32 micro-benchmark, not
-    yet timed on a whole step).
+    instead of grouped cuDNN convolutions): the 4-block few-shot conv net's second-order step
+    (32 tasks, 5 inner steps) takes 33-37 ms on an H100 in fp32, against 108-117 ms without it
+    and 60-89 ms in JAX. For convolutions left as they are, pass ``torch.compile`` the options
+    of :func:`torchfn.meta.inductor_options`.
     """
 
     def __init__(
