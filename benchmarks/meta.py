@@ -27,9 +27,7 @@ the four of the issue, torchfn compiled as the README recommends for conv nets; 
   ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``unfold`` (the model through
   ``torchfn.meta.unfold_convs``: layers 2-4 as unfold + matmul, batched GEMMs over the tasks
   instead of grouped cuDNN convolutions), ``unfoldall`` (all four layers so, the 1-channel first
-  one too: no convolution left), ``memP`` (``torch._functorch.config.activation_memory_budget
-  = P / 100``: the partitioner recomputes instead of saving, to keep activations under P% of
-  what it would save), ``chunkN`` (tasks in chunks of N). E.g.
+  one too: no convolution left), ``chunkN`` (tasks in chunks of N). E.g.
   ``compiled-cg-fix-bench``, ``compiled-fix-unfold``. ``eager-chunkN``/``eager-bench``/
   ``eager-unfold`` work too.
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
@@ -192,22 +190,16 @@ def max_rel_diff(got: dict[str, Tensor] | dict[str, np.ndarray], want: dict[str,
 
 @contextlib.contextmanager
 def variant_settings(tokens: set[str]) -> Iterator[None]:
-    """Apply a variant's global switches (cuDNN benchmark, Inductor layout, the activation
-    memory budget of the joint-graph partitioner) and restore them."""
-    import torch._functorch.config as functorch_config
+    """Apply a variant's global switches (cuDNN benchmark, Inductor layout) and restore them."""
     import torch._inductor.config as inductor_config
 
-    old = (torch.backends.cudnn.benchmark, inductor_config.force_layout_optimization,
-           functorch_config.activation_memory_budget)
+    old = (torch.backends.cudnn.benchmark, inductor_config.force_layout_optimization)
     torch.backends.cudnn.benchmark = "bench" in tokens
     inductor_config.force_layout_optimization = "cl" in tokens
-    mem = [int(t[3:]) for t in tokens if t.startswith("mem")]
-    functorch_config.activation_memory_budget = mem[0] / 100 if mem else old[2]
     try:
         yield
     finally:
-        (torch.backends.cudnn.benchmark, inductor_config.force_layout_optimization,
-         functorch_config.activation_memory_budget) = old
+        torch.backends.cudnn.benchmark, inductor_config.force_layout_optimization = old
 
 
 def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
@@ -221,13 +213,11 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     for tok in rest:
         if tok.startswith("chunk") and tok[5:].isdigit():
             chunk = int(tok[5:])
-        elif tok in known or (kind == "compiled" and tok.startswith("mem")
-                              and tok[3:].isdigit() and 0 < int(tok[3:]) <= 100):
+        elif tok in known:
             tokens.add(tok)
         else:
             raise SystemExit(f"meta.py --variants: unknown token {tok!r} in {name!r} "
-                             f"(known for {kind}: {sorted(known)}, chunkN"
-                             f"{', memP' if kind == 'compiled' else ''})")
+                             f"(known for {kind}: {sorted(known)} and chunkN)")
     mode = {"cg": "reduce-overhead", "at": "max-autotune-no-cudagraphs",
             "atcg": "max-autotune"}
     modes = [mode[t] for t in ("cg", "at", "atcg") if t in tokens]
