@@ -10,7 +10,7 @@ as ``weight.flatten(1) @ unfold(x)``, the same convolution is a matmul whose tas
 steps over 32 tasks, compiled, ``benchmarks/results/2026-11-22-meta-conv-unfold-micro-h100.txt``):
 14x14 3.75 ms vs 27.5 ms with ``F.conv2d``, 7x7 1.30 vs 9.15 ms. On the whole MAML step of
 ``benchmarks/meta.py`` (4-block 64-channel conv net, 32 tasks, 5 inner steps, second order;
-``benchmarks/results/2026-11-23-meta-unfold-h100.md``), compiled: 36.8-37.1 ms with the default
+``benchmarks/results/2026-11-23-meta-unfold-h100.md``), compiled: 33.1-37.1 ms with the default
 ``min_patch`` (layers 2-4), 33.2-35.4 ms with ``min_patch=1`` (all four), against 108-117 ms
 with ``F.conv2d`` and JAX's 60-89 ms; 29.9 ms vs JAX's 45.8 ms with TF32 on both sides. It
 compiles faster too (162-250 s vs 307-329 s) but peaks at 5.8 GiB instead of 3.5 GiB. Eager
