@@ -26,7 +26,7 @@ the four of the issue, torchfn compiled as the README recommends for conv nets; 
   grouped convolutions with >= 16 channels per group in channels-last; the library default
   ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``unfold`` (the model through
   ``torchfn.meta.unfold_convs``: layers 2-4 as unfold + matmul, batched GEMMs over the tasks
-  instead of grouped cuDNN convolutions), ``unfoldall`` (all four layers so, the 1-channel first
+  instead of grouped cuDNN convolutions), ``unfoldall`` (all four layers, the 1-channel first
   one too: no convolution left), ``chunkN`` (tasks in chunks of N). E.g.
   ``compiled-cg-fix-bench``, ``compiled-fix-unfold``. ``eager-chunkN``/``eager-bench``/
   ``eager-unfold`` work too.
