@@ -20,8 +20,9 @@ against 108-117 ms for the step without it in float32 (not timed with TF32 on: i
 kernel has no TF32 path -- eager, which uses it, was no faster with TF32). In float32 with TF32
 off the rewritten step got slower (131-142 ms): the profile shows cuDNN converting layouts
 inside its fp32 grouped kernels (~10,000 small conversion kernels, ~23 ms a step) and the
-support-set (5-image) convolutions and the weight gradients slower than in NCHW -- so ``torchfn.meta.inductor_options()`` applies it only
-where :func:`channels_last_pays` (float32 on CUDA with cuDNN TF32 allowed, torch's default).
+support-set (5-image) convolutions and the weight gradients slower than in NCHW -- so
+``torchfn.meta.inductor_options()`` applies it only where :func:`channels_last_pays` (float32
+on CUDA with cuDNN TF32 allowed, torch's default).
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def channels_last_pays(x: torch.Tensor) -> bool:
 
     True for float32 CUDA tensors while ``torch.backends.cudnn.allow_tf32`` is on (torch's
     default): cuDNN then has tensor-core NHWC kernels (the whole MAML step on an H100: 49 ms,
-    vs 108-117 ms unrewritten in float32). False otherwise: with TF32 off the fp32 NHWC grouped kernels were slower
-    than NCHW, float64 has no such kernels, and half precision is not measured here (pass
-    ``channels_last=True`` to try it), nor is anything off CUDA.
+    vs 108-117 ms unrewritten in float32). False otherwise: with TF32 off the fp32 NHWC
+    grouped kernels were slower than NCHW, float64 has no such kernels, and half precision is
+    not measured here (pass ``channels_last=True`` to try it), nor is anything off CUDA.
     """
     return x.is_cuda and x.dtype == torch.float32 and bool(torch.backends.cudnn.allow_tf32)
 
