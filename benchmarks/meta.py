@@ -223,6 +223,8 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     modes = [mode[t] for t in ("cg", "at", "atcg") if t in tokens]
     if len(modes) > 1:
         raise SystemExit(f"meta.py --variants: {name!r} names more than one compile mode")
+    if {"unfold", "unfoldall"} <= tokens:
+        raise SystemExit(f"meta.py --variants: {name!r} names unfold and unfoldall")
     return kind, tokens, chunk, (modes[0] if modes else None)
 
 
@@ -291,8 +293,7 @@ def main() -> None:
     model_fn, params, buffers = make_functional(module)
     # the "unfold" token: layers 2-4 as unfold + matmul (same parameter names and values);
     # "unfoldall": all four, the 1-channel first layer too
-    unfold_fns = {tok: make_functional(unfold_convs(module, min_patch=p))[0]
-                  for tok, p in (("unfold", 64), ("unfoldall", 1))}
+    unfold_min_patch = {"unfold": 64, "unfoldall": 1}
     results: dict = {"config": cfg, "device": str(device), "dtype": args.dtype,
                      "precision": args.precision, "torch": torch.__version__,
                      "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
@@ -335,12 +336,11 @@ def main() -> None:
                 def fn() -> dict[str, Tensor]:
                     return loop_meta_grad(ref_module, tasks, inner_lr, cfg["steps"])
             else:
-                fn_tok = [t for t in ("unfold", "unfoldall") if t in tokens]
-                if len(fn_tok) > 1:
-                    raise SystemExit(f"meta.py --variants: {name!r} names unfold and unfoldall")
-                learner = maml(unfold_fns[fn_tok[0]] if fn_tok else model_fn,
-                               F.cross_entropy, inner_lr=inner_lr, inner_steps=cfg["steps"],
-                               chunk_size=chunk)
+                tok = next(iter(tokens & unfold_min_patch.keys()), None)  # one at most
+                net_fn = model_fn if tok is None else make_functional(
+                    unfold_convs(module, min_patch=unfold_min_patch[tok]))[0]
+                learner = maml(net_fn, F.cross_entropy, inner_lr=inner_lr,
+                               inner_steps=cfg["steps"], chunk_size=chunk)
                 call = learner.meta_grad
                 if kind == "compiled":
                     if "fix" in tokens:  # compile takes a mode or options, not both
