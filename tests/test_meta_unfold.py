@@ -75,22 +75,30 @@ def test_maml_meta_gradient_is_unchanged(compiled) -> None:
     """Second-order MAML with BatchNorm over vmapped tasks: same meta-gradient as nn.Conv2d."""
     net = conv_net()
     tasks = conv_tasks()
-
-    def meta_grad(module: nn.Module) -> dict[str, torch.Tensor]:
-        model_fn, params, buffers = make_functional(module)
-        learner = maml(model_fn, F.cross_entropy, inner_lr=0.1, inner_steps=2)
-        fn = learner.meta_grad
-        if compiled:
-            fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
-        return fn(params, buffers, tasks)[0]
-
-    want = meta_grad(net)
-    got = meta_grad(unfold_convs(net, min_patch=1))
+    compile_kw = {"backend": "aot_eager"} if compiled else None
+    want = _meta_grad(net, tasks)
+    got = _meta_grad(unfold_convs(net, min_patch=1), tasks, compile_kw)
     assert sorted(got) == sorted(want)
+    _assert_close_on_global_scale(got, want, 1e-12)
+
+
+def _meta_grad(module: nn.Module, tasks: Task,
+               compile_kw: dict | None = None) -> dict[str, torch.Tensor]:
+    """Second-order MAML meta-gradient (2 inner steps), compiled with ``compile_kw`` if given."""
+    model_fn, params, buffers = make_functional(module)
+    fn = maml(model_fn, F.cross_entropy, inner_lr=0.1, inner_steps=2).meta_grad
+    if compile_kw is not None:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, **compile_kw)
+    return fn(params, buffers, tasks)[0]
+
+
+def _assert_close_on_global_scale(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                                  tol: float) -> None:
     # conv biases in front of BatchNorm have an exactly-zero gradient: compare on the global scale
     scale = max(float(w.abs().max()) for w in want.values())
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-12 * scale, msg=k)
+        torch.testing.assert_close(got[k].cpu(), want[k], rtol=0, atol=tol * scale, msg=k)
 
 
 def test_bad_input_is_named() -> None:
@@ -119,17 +127,8 @@ def test_cuda_compiled_maml_with_unfolded_convs_equals_eager_conv2d(min_patch, o
     """Unfolded convs under Inductor on the GPU: the same meta-gradient, in float64, as eager
     second-order MAML through ``nn.Conv2d`` on the CPU."""
     net, tasks = conv_net(), conv_tasks()
-    model_fn, params, buffers = make_functional(net)
-    want = maml(model_fn, F.cross_entropy, inner_lr=0.1, inner_steps=2).meta_grad(
-        params, buffers, tasks)[0]
+    want = _meta_grad(net, tasks)
     fast = unfold_convs(net, min_patch=min_patch).cuda()
     assert isinstance(fast[4 if min_patch > 9 else 0], UnfoldConv2d)
-    fast_fn, fast_params, fast_buffers = make_functional(fast)
-    learner = maml(fast_fn, F.cross_entropy, inner_lr=0.1, inner_steps=2)
-    cuda_tasks = Task(*(t.cuda() for t in tasks))
-    torch._dynamo.reset()
-    got = torch.compile(learner.meta_grad, fullgraph=True, options=options)(
-        fast_params, fast_buffers, cuda_tasks)[0]
-    scale = max(float(w.abs().max()) for w in want.values())
-    for k in want:
-        torch.testing.assert_close(got[k].cpu(), want[k], rtol=0, atol=1e-10 * scale, msg=k)
+    got = _meta_grad(fast, Task(*(t.cuda() for t in tasks)), {"options": options})
+    _assert_close_on_global_scale(got, want, 1e-10)
