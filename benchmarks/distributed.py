@@ -47,17 +47,10 @@ from torch import nn
 
 from torchfn import distributed as tdist
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
-from torchfn.functional import (
-    PoissonSampler,
-    adam,
-    init_dp_state,
-    init_train_state,
-    make_dp_train_step,
-    make_functional,
-    make_ghost_model,
-    make_train_step,
-)
+from torchfn.functional import init_train_state, make_functional, make_train_step
 from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
+from torchfn.optim import adam
+from torchfn.persample import PoissonSampler, init_dp_state, make_dp_train_step, make_ghost_model
 
 F64 = torch.float64
 

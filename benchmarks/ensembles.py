@@ -40,9 +40,10 @@ import optree
 import torch
 from torch import nn
 
+from torchfn.compile import make_graphed_step
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
-from torchfn.functional import make_graphed_step
-from torchfn.ops import build_ops, ops_status, stacked_adam
+from torchfn.ops import build_ops, ops_status
+from torchfn.optim import stacked_adam
 
 T0 = time.perf_counter()
 

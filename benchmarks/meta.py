@@ -65,8 +65,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from torchfn.compile import inductor_options, unfold_convs
 from torchfn.functional import make_functional
-from torchfn.meta import Task, inductor_options, maml, unfold_convs
+from torchfn.meta import Task, maml
 
 EPS = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -35,8 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from meta import conv_net, make_tasks  # the benchmark's own net and tasks
 
+from torchfn.compile import inductor_options
 from torchfn.functional import make_functional
-from torchfn.meta import inductor_options, maml
+from torchfn.meta import maml
 
 CFG = dict(channels=64, n_tasks=32, n_way=5, k_shot=1, n_query=15, size=28, steps=5)
 

@@ -63,17 +63,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import write_json
 
+from torchfn.compile import make_graphed_step
 from torchfn.functional import (
-    init_dp_state,
     init_train_state,
-    make_dp_train_step,
     make_functional,
-    make_ghost_model,
-    make_graphed_step,
     make_train_step,
     per_sample_grads,
     single_sample_fn,
 )
+from torchfn.persample import init_dp_state, make_dp_train_step, make_ghost_model
 
 LR, SIGMA, CLIP, DATASET = 0.01, 1.0, 1.0, 60_000
 

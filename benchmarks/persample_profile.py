@@ -21,7 +21,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import torchfn.functional._ghost_layers as ghost_layers
+import torchfn.persample._ghost_layers as ghost_layers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import persample as P

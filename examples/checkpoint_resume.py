@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from torchfn.functional import (
-    adam,
     init_train_state,
     load_checkpoint,
     make_functional,
     make_train_step,
     save_checkpoint,
 )
+from torchfn.optim import adam
 
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))

@@ -31,7 +31,7 @@ from torch import nn
 
 from torchfn.data import ShardReader, ShardWriter, read_manifest
 from torchfn.distributed import DistributedDPStep, init_from_env, shard_poisson_sample
-from torchfn.functional import (
+from torchfn.persample import (
     PoissonSampler,
     RDPAccountant,
     init_dp_state,

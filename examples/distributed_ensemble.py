@@ -43,7 +43,7 @@ from torchfn.ensembles import (
     init_ensemble_state,
     make_ensemble_train_step,
 )
-from torchfn.functional import adam
+from torchfn.optim import adam
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--members", type=int, default=8)

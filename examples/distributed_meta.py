@@ -43,8 +43,9 @@ from torchfn.distributed import (
     save_checkpoint_once,
     shard_tasks,
 )
-from torchfn.functional import adam, make_functional
+from torchfn.functional import make_functional
 from torchfn.meta import Task, init_meta_state, maml, sinusoid_tasks
+from torchfn.optim import adam
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=300)

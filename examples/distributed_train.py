@@ -25,7 +25,8 @@ from torch import nn
 
 from torchfn.data import ShardWriter, StreamingDataset, StreamingLoader
 from torchfn.distributed import init_from_env, make_data_parallel_train_step, save_checkpoint_once
-from torchfn.functional import adamw, init_train_state, load_checkpoint, make_functional
+from torchfn.functional import init_train_state, load_checkpoint, make_functional
+from torchfn.optim import adamw
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=3)

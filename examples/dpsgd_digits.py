@@ -30,14 +30,13 @@ import torchopt
 from sklearn.datasets import load_digits
 from torch import nn
 
-from torchfn.functional import (
+from torchfn.functional import init_train_state, make_train_step
+from torchfn.persample import (
     PoissonSampler,
     RDPAccountant,
     init_dp_state,
-    init_train_state,
     make_dp_train_step,
     make_ghost_model,
-    make_train_step,
     noise_multiplier_for_epsilon,
 )
 

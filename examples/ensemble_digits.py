@@ -26,7 +26,7 @@ from torchfn.ensembles import (
     member_orders,
     negative_log_likelihood,
 )
-from torchfn.ops import stacked_adam
+from torchfn.optim import stacked_adam
 
 
 def load_data(seed: int = 0) -> tuple[torch.Tensor, ...]:

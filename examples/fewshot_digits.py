@@ -56,8 +56,9 @@ from torch import Tensor, nn
 from torch.func import grad, vmap
 
 from torchfn.data import EpisodicBatchSampler
-from torchfn.functional import adam, load_checkpoint, make_functional, save_checkpoint
+from torchfn.functional import load_checkpoint, make_functional, save_checkpoint
 from torchfn.meta import Task, init_meta_state, make_meta_train_step, maml, stack_episodes
+from torchfn.optim import adam
 
 N_WAY, N_QUERY = 5, 10
 

@@ -29,7 +29,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torchopt.update import apply_updates
 
-from torchfn.functional import (
+from torchfn.persample import (
     grad_stats,
     init_noise_scale,
     init_norm_history,

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchfn.functional import adam, make_functional
+from torchfn.functional import make_functional
 from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
+from torchfn.optim import adam
 
 
 def mse_after(model_fn, params, tasks, steps: int) -> tuple[float, float]:

@@ -14,13 +14,8 @@ import torch
 import torchopt
 from torch import nn
 
-from torchfn.functional import (
-    adamw,
-    init_train_state,
-    make_functional,
-    make_train_step,
-    step_rng,
-)
+from torchfn.functional import init_train_state, make_functional, make_train_step, step_rng
+from torchfn.optim import adamw
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=200)

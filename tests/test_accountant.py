@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchfn.functional._accountant import (
+from torchfn.persample import (
     DEFAULT_RDP_ORDERS,
     RDPAccountant,
     compute_rdp,

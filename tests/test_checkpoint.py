@@ -19,13 +19,13 @@ from torchopt.transform.scale_by_adam import ScaleByAdamState
 
 import torchfn.functional._checkpoint as ckpt_mod
 from torchfn.functional._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from torchfn.functional._optim import adam, adamw
 from torchfn.functional._train_step import (
     TrainState,
     init_train_state,
     make_train_step,
     step_rng,
 )
+from torchfn.optim import adam, adamw
 
 
 def mse(outputs, targets):
@@ -128,7 +128,7 @@ def test_killed_process_mid_write_keeps_previous_checkpoint(tmp_path):
         f"""
         import os, signal, torch
         import torchfn.functional._checkpoint as m
-        from torchfn.functional._optim import adam
+        from torchfn.optim import adam
         from torchfn.functional._train_step import init_train_state
 
         def save(obj, f, *args, **kwargs):

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torchopt
 
-from torchfn.ensembles import load_ensemble, per_member_adam
-from torchfn.functional import adam, load_checkpoint
-from torchfn.ops import stacked_adam
+from torchfn.ensembles import load_ensemble
+from torchfn.functional import load_checkpoint
+from torchfn.optim import adam, per_member_adam, stacked_adam
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints_v1")
 EXPECTED = torch.load(os.path.join(HERE, "expected.pt"), weights_only=True)

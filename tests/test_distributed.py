@@ -33,19 +33,16 @@ from torchfn.ensembles import (
     make_ensemble_train_step,
     save_ensemble,
 )
-from torchfn.functional import (
+from torchfn.functional import init_train_state, load_checkpoint, make_train_step, save_checkpoint
+from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
+from torchfn.optim import adam
+from torchfn.persample import (
     PoissonSampler,
     RDPAccountant,
-    adam,
     init_dp_state,
-    init_train_state,
-    load_checkpoint,
     make_dp_train_step,
     make_ghost_model,
-    make_train_step,
-    save_checkpoint,
 )
-from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is missing")
 

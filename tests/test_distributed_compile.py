@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from torchfn import distributed as tdist
-from torchfn.functional import adam, init_dp_state, init_train_state
+from torchfn.functional import init_train_state
 from torchfn.meta import init_meta_state
+from torchfn.optim import adam
+from torchfn.persample import init_dp_state
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is missing")
 

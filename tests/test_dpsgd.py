@@ -18,16 +18,16 @@ import torchopt
 from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from torchfn.functional._accountant import RDPAccountant
-from torchfn.functional._dp_random import normal
-from torchfn.functional._dp_sampling import PoissonSampler
-from torchfn.functional._dpsgd import (
+from torchfn.persample import (
     ClippedSum,
     DPTrainStep,
+    PoissonSampler,
+    RDPAccountant,
     init_dp_state,
     make_dp_train_step,
+    make_ghost_model,
 )
-from torchfn.functional._ghost_norms import make_ghost_model
+from torchfn.persample._dp_random import normal
 
 F64 = torch.float64
 B = 10

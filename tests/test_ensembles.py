@@ -19,7 +19,6 @@ from torchfn.ensembles._metrics import (
     negative_log_likelihood,
     predictive_variance,
 )
-from torchfn.ensembles._optim import per_member_adam, per_member_sgd
 from torchfn.ensembles._train import (
     init_ensemble_state,
     make_ensemble_train_step,
@@ -28,7 +27,7 @@ from torchfn.ensembles._train import (
     per_member_optimizer,
 )
 from torchfn.functional import step_rng
-from torchfn.ops import stacked_adam, stacked_sgd
+from torchfn.optim import per_member_adam, per_member_sgd, stacked_adam, stacked_sgd
 
 N, B, D, H, C = 3, 6, 5, 7, 4
 F64 = torch.float64

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from torchfn.functional._ghost_norms import (
+from torchfn.persample import (
     GhostLayerError,
     check_ghost_coverage,
     ghost_grad_norms,

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchfn.functional._ghost_norms import make_ghost_model
-from torchfn.functional._ghost_stats import (
+from torchfn.persample import (
     grad_stats,
     init_noise_scale,
     init_norm_history,
+    make_ghost_model,
     two_batch_estimates,
     update_noise_scale,
     update_norm_history,

@@ -15,17 +15,11 @@ import torchopt
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from torchfn.compile import make_graphed_step
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
-from torchfn.functional import (
-    adam,
-    init_dp_state,
-    init_train_state,
-    make_dp_train_step,
-    make_ghost_model,
-    make_graphed_step,
-    make_train_step,
-)
-from torchfn.ops import stacked_adam
+from torchfn.functional import init_train_state, make_train_step
+from torchfn.optim import adam, stacked_adam
+from torchfn.persample import init_dp_state, make_dp_train_step, make_ghost_model
 
 F64 = torch.float64
 DEVICES = [

@@ -13,10 +13,11 @@ import torchopt
 from torch import nn
 from torch.func import functional_call
 
-from torchfn.functional import adam, make_functional
+from torchfn.functional import make_functional
 from torchfn.meta._maml import LR_PREFIX, anil, fomaml, maml, meta_sgd, reptile
 from torchfn.meta._step import init_meta_state, make_meta_train_step
 from torchfn.meta._tasks import Task, sinusoid_tasks
+from torchfn.optim import adam
 
 DT = torch.float64
 LR, STEPS = 0.1, 2

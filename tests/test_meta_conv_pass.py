@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from _meta_nets import DT, N_TASKS, conv_net, conv_tasks
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from torchfn.functional import make_functional
-from torchfn.meta import (
+from torchfn.compile import inductor_options
+from torchfn.compile._conv_pass import (
     GroupedConvDoubleBackwardPass,
     fuse_grouped_conv_double_backward,
-    inductor_options,
-    maml,
 )
+from torchfn.functional import make_functional
+from torchfn.meta import maml
 
 
 def _meta_grad_fn(inner_steps: int):
@@ -108,7 +108,7 @@ def _cl(t: torch.Tensor) -> bool:
 
 
 def test_channels_last_pass_converts_only_wide_grouped_convs_and_keeps_the_meta_gradient():
-    from torchfn.meta import channels_last_grouped_convs
+    from torchfn.compile._conv_layout import channels_last_grouped_convs
 
     f, params = _meta_grad_fn(3)
     tasks = conv_tasks()
@@ -133,7 +133,7 @@ def test_channels_last_pass_converts_only_wide_grouped_convs_and_keeps_the_meta_
 
 
 def test_channels_last_pass_leaves_ungrouped_convs_alone():
-    from torchfn.meta import channels_last_grouped_convs
+    from torchfn.compile._conv_layout import channels_last_grouped_convs
 
     x, w = torch.randn(2, 4, 6, 6, dtype=DT), torch.randn(4, 4, 3, 3, dtype=DT)
     gm = make_fx(lambda x, w: F.conv2d(x, w, padding=1), tracing_mode="fake")(x, w)
@@ -179,7 +179,7 @@ def _fake_grouped_conv_graph(device: str, dtype: torch.dtype) -> torch.fx.GraphM
     ("cpu", torch.float32, True, 0),
 ])
 def test_auto_channels_last_only_where_it_pays(device, dtype, tf32, expected):
-    from torchfn.meta import channels_last_grouped_convs, channels_last_pays
+    from torchfn.compile._conv_layout import channels_last_grouped_convs, channels_last_pays
 
     gm = _fake_grouped_conv_graph(device, dtype)
     x_val = next(iter(gm.graph.nodes)).meta["val"]

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchfn.data import EpisodicBatchSampler
-from torchfn.functional import TrainState, adam, load_checkpoint, make_functional, save_checkpoint
+from torchfn.functional import TrainState, load_checkpoint, make_functional, save_checkpoint
 from torchfn.meta import init_meta_state, make_meta_train_step, maml, stack_episodes
+from torchfn.optim import adam
 
 DT = torch.float64
 N_WAY, K_SHOT, N_QUERY, META_BATCH = 3, 1, 2, 3

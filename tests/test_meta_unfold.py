@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from _meta_nets import DT, conv_net, conv_tasks
 from torch import nn
 
+from torchfn.compile import unfold_convs
+from torchfn.compile._unfold_conv import UnfoldConv2d
 from torchfn.functional import make_functional
-from torchfn.meta import Task, UnfoldConv2d, maml, unfold_convs
+from torchfn.meta import Task, maml
 
 CONVS = [
     pytest.param(lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 6, 5), id="3x3-pad1"),

@@ -7,7 +7,7 @@ import torch
 import torchopt
 from torchopt.transform.scale_by_adam import ScaleByAdamState
 
-from torchfn.functional._optim import adam, adamw, scale_by_adam
+from torchfn.optim import adam, adamw, scale_by_adam
 
 
 def _problem(dtype: torch.dtype, seed: int = 0):

@@ -14,7 +14,7 @@ from torch.func import grad, vmap
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
 from torchfn.functional._batchnorm import BatchNorm
 from torchfn.functional._stateless import FunctionalModel, make_functional
-from torchfn.ops import stacked_adam
+from torchfn.optim import stacked_adam
 
 DT = torch.float64
 

@@ -10,7 +10,6 @@ import torch
 import torchopt
 from torch import nn
 
-from torchfn.functional._optim import adam
 from torchfn.functional._train_step import (
     DynamicLossScaler,
     TrainState,
@@ -18,6 +17,7 @@ from torchfn.functional._train_step import (
     make_train_step,
     step_rng,
 )
+from torchfn.optim import adam
 
 
 def mse(outputs, targets):

@@ -25,7 +25,6 @@ import torchopt
 from torch import Tensor, nn
 
 from torchfn.functional import (
-    adam,
     empirical_ntk,
     hessian_diagonal,
     hvp,
@@ -38,6 +37,7 @@ from torchfn.functional import (
     single_sample_fn,
     tree_global_norm,
 )
+from torchfn.optim import adam
 
 
 def spiral(n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -31,8 +31,8 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from torchfn.meta import _conv_layout
-from torchfn.meta._conv_layout import channels_last_grouped_convs
+from torchfn.compile import _conv_layout
+from torchfn.compile._conv_layout import channels_last_grouped_convs
 
 __all__ = ["GroupedConvDoubleBackwardPass", "fuse_grouped_conv_double_backward",
            "inductor_options"]

@@ -23,6 +23,8 @@ import optree
 import torch
 from torch import Tensor
 
+from torchfn._checks import _compile_kwargs
+
 __all__ = ["GraphedStep", "make_graphed_step"]
 
 Step = Callable[..., tuple[Any, Any]]
@@ -239,18 +241,6 @@ def _check_leaf(kind: str, path: tuple[Any, ...], got: Any, own: Any) -> None:
                          f"of the captured step), got {got!r}")
 
 
-def _compile_kwargs(kwargs: Mapping[str, Any], options: Mapping[str, Any] | None
-                   ) -> dict[str, Any]:
-    """Return ``torch.compile`` ``kwargs`` (``fullgraph=True`` by default) with Inductor
-    ``options`` a step needs added, unless the caller picked a mode, options or another
-    backend (``torch.compile`` takes a mode or options, not both)."""
-    out = {"fullgraph": True, **kwargs}
-    if (options is not None and "mode" not in out and "options" not in out
-            and out.get("backend", "inductor") == "inductor"):
-        out["options"] = dict(options)
-    return out
-
-
 def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[str, Any] = True,
                       warmup: int = 2) -> GraphedStep:
     """Return ``step`` as a :class:`GraphedStep`: one CUDA graph, the state donated.
@@ -282,8 +272,9 @@ def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[s
 
     Example:
         >>> import torch
-        >>> from torchfn.functional import adam, init_train_state, make_train_step
-        >>> from torchfn.functional import make_graphed_step
+        >>> from torchfn.optim import adam
+        >>> from torchfn.functional import init_train_state, make_train_step
+        >>> from torchfn.compile import make_graphed_step
         >>> def model_fn(params, buffers, x):
         ...     return x @ params["w"], buffers
         >>> def loss_fn(out, y):

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ._samplers import _check_rank, _check_state, _encode_labels, _generator, _resolve_seed
+from torchfn._checks import _check_rank, _resolve_seed
+
+from ._samplers import _check_state, _encode_labels, _generator
 
 __all__ = ["EpisodicBatchSampler", "split_episode"]
 

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Sampler
 
+from torchfn._checks import _check_rank, _resolve_seed
+
 __all__ = ["ClassBalancedSampler"]
 
 _MASK64 = (1 << 64) - 1
@@ -33,26 +35,6 @@ def _mix_seed(*values: int) -> int:
 def _generator(*values: int) -> torch.Generator:
     """Return a fresh CPU ``torch.Generator`` seeded from ``_mix_seed(*values)``."""
     return torch.Generator().manual_seed(_mix_seed(*values))
-
-
-def _resolve_seed(seed: int | torch.Generator, owner: str) -> int:
-    """Return an int seed: ``seed`` itself, or one 63-bit draw from the given generator."""
-    if isinstance(seed, torch.Generator):
-        return int(torch.randint(0, 2**62, (1,), generator=seed, device=seed.device).item())
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(
-            f"{owner}(seed=...): expected an int or a torch.Generator, got {type(seed).__name__}"
-        )
-    return seed
-
-
-def _check_rank(world_size: int, rank: int, owner: str) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"{owner}(world_size={world_size!r}): expected an int >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(
-            f"{owner}(rank={rank!r}, world_size={world_size}): expected 0 <= rank < world_size"
-        )
 
 
 def _encode_labels(labels: Any, owner: str) -> tuple[list[Hashable], torch.Tensor]:

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from torchfn._checks import _check_rank
+
 from ._plan import Policy, plan
-from ._samplers import _check_rank
 from ._shards import (
     _DTYPES,
     CorruptShardError,

@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ._samplers import _check_rank, _mix_seed, _resolve_seed
+from torchfn._checks import _check_rank, _resolve_seed
+
+from ._samplers import _mix_seed
 
 __all__ = ["StreamBalanceReport", "StreamClassBalancer"]
 

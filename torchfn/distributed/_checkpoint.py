@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from torchfn.distributed._env import world_info
-from torchfn.functional._checkpoint import save_checkpoint
-from torchfn.functional._train_step import TrainState
+from torchfn.functional import TrainState, save_checkpoint
 
 __all__ = ["save_checkpoint_once"]
 

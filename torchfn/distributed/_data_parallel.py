@@ -12,7 +12,7 @@ from torchopt.base import GradientTransformation
 
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree, make_grad_reducer
-from torchfn.functional._train_step import TrainState, make_train_step
+from torchfn.functional import TrainState, make_train_step
 
 __all__ = ["make_data_parallel_train_step"]
 

@@ -26,12 +26,17 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from torchfn.data._samplers import _check_rank
+from torchfn._checks import _check_rank
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
-from torchfn.functional._accountant import RDPAccountant
-from torchfn.functional._dp_sampling import PoissonSampler
-from torchfn.functional._dpsgd import ClippedSum, DPState, DPTrainStep, run_chunks
+from torchfn.persample import (
+    ClippedSum,
+    DPState,
+    DPTrainStep,
+    PoissonSampler,
+    RDPAccountant,
+    run_chunks,
+)
 
 __all__ = ["DistributedDPStep", "all_reduce_clipped_sum", "shard_poisson_sample"]
 
@@ -50,7 +55,7 @@ def shard_poisson_sample(sampler: PoissonSampler, step: int, *, rank: int, world
     ``(physical_batch_size,)`` chunks (default: the sampler's), at least one, never truncated.
 
     Example:
-        >>> from torchfn.functional import PoissonSampler
+        >>> from torchfn.persample import PoissonSampler
         >>> s = PoissonSampler(1000, 0.05, 64, seed=0)
         >>> a = shard_poisson_sample(s, 0, rank=0, world_size=2, physical_batch_size=40)
         >>> b = shard_poisson_sample(s, 0, rank=1, world_size=2, physical_batch_size=40)

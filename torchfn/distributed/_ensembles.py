@@ -20,12 +20,11 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
-from torchfn.data._samplers import _check_rank
+from torchfn._checks import _check_rank
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import all_gather_tree
-from torchfn.ensembles._build import ensemble_apply, n_members
-from torchfn.ensembles._io import load_ensemble, save_ensemble
-from torchfn.functional._train_step import TrainState
+from torchfn.ensembles import ensemble_apply, load_ensemble, n_members, save_ensemble
+from torchfn.functional import TrainState
 
 __all__ = [
     "gather_members",

@@ -11,12 +11,11 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
-from torchfn.data._samplers import _check_rank
+from torchfn._checks import _check_rank
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
-from torchfn.functional._train_step import TrainState
-from torchfn.meta._maml import MetaLearner
-from torchfn.meta._tasks import Task
+from torchfn.functional import TrainState
+from torchfn.meta import MetaLearner, Task
 
 __all__ = ["make_distributed_meta_train_step", "shard_tasks"]
 

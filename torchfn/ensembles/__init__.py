@@ -1,5 +1,7 @@
 """Ensembles: N models as one vmapped, compiled program (stacked params, per-member hyperparameters)."""
 
+from typing import Any
+
 from torchfn.ensembles._build import Ensemble as Ensemble
 from torchfn.ensembles._build import ensemble_apply as ensemble_apply
 from torchfn.ensembles._build import n_members as n_members
@@ -11,13 +13,10 @@ from torchfn.ensembles._metrics import expected_calibration_error as expected_ca
 from torchfn.ensembles._metrics import member_disagreement as member_disagreement
 from torchfn.ensembles._metrics import negative_log_likelihood as negative_log_likelihood
 from torchfn.ensembles._metrics import predictive_variance as predictive_variance
-from torchfn.ensembles._optim import per_member_adam as per_member_adam
-from torchfn.ensembles._optim import per_member_sgd as per_member_sgd
 from torchfn.ensembles._train import init_ensemble_state as init_ensemble_state
 from torchfn.ensembles._train import make_ensemble_train_step as make_ensemble_train_step
 from torchfn.ensembles._train import member_batches as member_batches
 from torchfn.ensembles._train import member_orders as member_orders
-from torchfn.ensembles._train import per_member_optimizer as per_member_optimizer
 
 __all__ = [
     "Ensemble",
@@ -33,9 +32,20 @@ __all__ = [
     "member_orders",
     "n_members",
     "negative_log_likelihood",
-    "per_member_adam",
-    "per_member_optimizer",
-    "per_member_sgd",
     "predictive_variance",
     "save_ensemble",
 ]
+
+
+# Names that moved to another package: a clear error instead of a silent alias.
+_MOVED = {
+    "per_member_adam": "torchfn.optim.per_member_adam",
+    "per_member_sgd": "torchfn.optim.per_member_sgd",
+    "per_member_optimizer": "torchfn.optim.per_member_optimizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

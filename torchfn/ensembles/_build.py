@@ -13,7 +13,8 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from torchfn.functional._stateless import FunctionalModel, make_functional
+from torchfn._checks import _n_members
+from torchfn.functional import FunctionalModel, make_functional
 
 __all__ = ["Ensemble", "ensemble_apply", "n_members"]
 
@@ -35,20 +36,7 @@ def n_members(params: Mapping[str, Tensor], where: str = "n_members(params)") ->
         >>> n_members({"w": torch.zeros(4, 3, 2), "b": torch.zeros(4, 3)})
         4
     """
-    seen: tuple[str, int] | None = None
-    for key, value in params.items():
-        if not isinstance(value, Tensor) or value.ndim == 0:
-            raise ValueError(f"{where}: every stacked leaf must be a tensor of shape (N, ...), "
-                             f"got {type(value).__name__} "
-                             f"{_fmt(value.shape) if isinstance(value, Tensor) else ''} at {key!r}")
-        if seen is None:
-            seen = (key, value.shape[0])
-        elif value.shape[0] != seen[1]:
-            raise ValueError(f"{where}: every stacked leaf must have the same N along dim 0; "
-                             f"got N={seen[1]} for {seen[0]!r} and N={value.shape[0]} for {key!r}")
-    if seen is None:
-        raise ValueError(f"{where}: expected at least one stacked parameter, got none")
-    return seen[1]
+    return _n_members(params, where)
 
 
 def _check_member_args(where: str, args: Any, n: int) -> None:

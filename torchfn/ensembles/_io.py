@@ -8,8 +8,7 @@ from typing import Any
 from torchopt.base import GradientTransformation
 
 from torchfn.ensembles._build import n_members
-from torchfn.functional._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from torchfn.functional._train_step import TrainState
+from torchfn.functional import CheckpointError, TrainState, load_checkpoint, save_checkpoint
 
 __all__ = ["load_ensemble", "save_ensemble"]
 
@@ -28,7 +27,7 @@ def save_ensemble(path: str | os.PathLike[str], state: TrainState, *,
         >>> from torch import nn
         >>> from torchfn.ensembles import (Ensemble, init_ensemble_state, load_ensemble,
         ...                                save_ensemble)
-        >>> from torchfn.ops import stacked_adam
+        >>> from torchfn.optim import stacked_adam
         >>> ens = Ensemble.from_seeds(lambda: nn.Linear(3, 2), seeds=range(2))
         >>> opt = stacked_adam(lr=torch.tensor([1e-3, 1e-2]))
         >>> path = os.path.join(tempfile.mkdtemp(), "ens.pt")

@@ -14,26 +14,24 @@ bitwise. A compiled step cannot seed a generator: call it inside ``with step_rng
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
-from torchopt.typing import OptState, Params, Updates
 from torchopt.update import apply_updates
 
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
-from torchfn.functional._train_step import TrainState, init_train_state, step_rng
-from torchfn.ops._dispatch import functorch_stack
+from torchfn.functional import TrainState, init_train_state, step_rng
+from torchfn.ops import functorch_stack
 
 __all__ = [
     "init_ensemble_state",
     "make_ensemble_train_step",
     "member_batches",
     "member_orders",
-    "per_member_optimizer",
 ]
 
 Batch = tuple[Any, Any]
@@ -54,7 +52,7 @@ def init_ensemble_state(ensemble: Ensemble, optimizer: GradientTransformation, *
         >>> import torch
         >>> from torch import nn
         >>> from torchfn.ensembles import Ensemble, init_ensemble_state
-        >>> from torchfn.ops import stacked_adam
+        >>> from torchfn.optim import stacked_adam
         >>> ens = Ensemble.from_seeds(lambda: nn.Linear(3, 2), seeds=range(4))
         >>> state = init_ensemble_state(ens, stacked_adam(lr=torch.full((4,), 1e-3)), seed=0)
         >>> state.opt_state.mu["weight"].shape
@@ -125,7 +123,7 @@ def make_ensemble_train_step(
         >>> from torch import nn
         >>> from torchfn.ensembles import (Ensemble, init_ensemble_state,
         ...                                make_ensemble_train_step)
-        >>> from torchfn.ops import stacked_sgd
+        >>> from torchfn.optim import stacked_sgd
         >>> ens = Ensemble.from_seeds(lambda: nn.Linear(3, 1), seeds=range(2))
         >>> opt = stacked_sgd(lr=torch.tensor([0.1, 0.01]))
         >>> state = init_ensemble_state(ens, opt, seed=0)
@@ -219,94 +217,6 @@ def make_ensemble_train_step(
         return new_state, metrics
 
     return step
-
-
-def per_member_optimizer(
-    make_optimizer: Callable[..., GradientTransformation],
-    hyperparams: Mapping[str, Tensor],
-) -> GradientTransformation:
-    """Return a transformation over stacked leaves running ``make_optimizer(**h_n)`` per member.
-
-    ``hyperparams`` maps keyword names of ``make_optimizer`` to ``(N,)`` tensors; member ``n``
-    is updated by ``make_optimizer(**{k: v[n]})`` (``init`` and ``update`` run under ``vmap``,
-    so the hyperparameters reach the optimizer as 0-d batched tensors. torchopt's aliases
-    check ``lr >= 0`` in Python, which vmap refuses: pass the lr as a constant schedule,
-    ``lambda lr: torchopt.sgd(lambda _: lr)``). ``make_optimizer`` is called anew on every
-    update, so the transformation must keep all its state in the optimizer state, none in
-    Python: ``init`` checks this on member 0 (two updates from the same state must agree) and
-    raises ``ValueError`` otherwise -- torchopt's momentum (``trace``) keeps a Python
-    first-call flag and is refused. For SGD with momentum / Nesterov and Adam/AdamW with
-    per-member momentum, betas or eps use :func:`per_member_sgd` / :func:`per_member_adam`
-    (exact, and fused when only lr and weight decay vary). The state is the per-member state
-    stacked on dim 0.
-
-    Example:
-        >>> import torch, torchopt
-        >>> from torchfn.ensembles import per_member_optimizer
-        >>> opt = per_member_optimizer(lambda lr: torchopt.sgd(lambda _: lr),
-        ...                            {"lr": torch.tensor([0.1, 1.0])})
-        >>> params = {"w": torch.zeros(2, 3)}
-        >>> updates, _ = opt.update({"w": torch.ones(2, 3)}, opt.init(params), params=params)
-        >>> updates["w"][:, 0]
-        tensor([-0.1000, -1.0000])
-    """
-    where = "per_member_optimizer(make_optimizer, hyperparams)"
-    names = sorted(hyperparams)
-    for k in names:
-        v = hyperparams[k]
-        if not isinstance(v, Tensor) or v.ndim != 1:
-            raise ValueError(f"{where}: hyperparams[{k!r}] must be a (N,) tensor, got "
-                             f"{_fmt(v.shape) if isinstance(v, Tensor) else type(v).__name__}")
-    hs = {k: hyperparams[k] for k in names}
-
-    def check(params: Params) -> None:
-        n = n_members(params, where)
-        for k, v in hs.items():
-            if v.shape[0] != n:
-                raise ValueError(f"{where}: hyperparams[{k!r}] has {v.shape[0]} values, but "
-                                 f"the params stack N={n} members")
-
-    def check_pure(params: Params) -> None:
-        # A transformation with Python state (torchopt's trace: a first-call flag) behaves
-        # differently on its first and later calls; rebuilt per update it would silently
-        # drop momentum. Probe member 0: a second update from the same state must agree
-        # with a fresh transformation's first update from that state.
-        h0 = {k: v[0] for k, v in hs.items()}
-        p0 = optree.tree_map(lambda t: t[0].detach(), params)
-        gen = torch.Generator().manual_seed(0)
-        g0 = optree.tree_map(lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype
-                                                   ).to(t.device), p0)
-        with torch.no_grad():
-            used = make_optimizer(**h0)
-            _, s1 = used.update(g0, used.init(p0), params=p0, inplace=False)
-            again, _ = used.update(g0, s1, params=p0, inplace=False)
-            fresh, _ = make_optimizer(**h0).update(g0, s1, params=p0, inplace=False)
-        for a, b in zip(optree.tree_leaves(again), optree.tree_leaves(fresh), strict=True):
-            if not torch.equal(a, b):
-                raise ValueError(
-                    f"{where}: make_optimizer(...) builds a transformation that keeps state in "
-                    "Python between updates (torchopt's momentum/trace does: a first-call "
-                    "flag), so rebuilding it per update would be silently wrong. Use "
-                    "torchfn.ensembles.per_member_sgd(lr, momentum=..., nesterov=...) or "
-                    "per_member_adam(lr, betas=...), whose hyperparameters may all be (N,) "
-                    "tensors")
-
-    def init_fn(params: Params) -> OptState:
-        check(params)
-        check_pure(params)
-        return torch.func.vmap(lambda h, p: make_optimizer(**h).init(p))(hs, params)
-
-    def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
-                  inplace: bool = True) -> tuple[Updates, OptState]:
-        del inplace  # always out-of-place
-
-        def one(h: dict[str, Tensor], g: Updates, s: OptState, p: Params | None) -> Any:
-            return make_optimizer(**h).update(g, s, params=p, inplace=False)
-
-        return torch.func.vmap(one, in_dims=(0, 0, 0, None if params is None else 0))(
-            hs, updates, state, params)
-
-    return GradientTransformation(init_fn, update_fn)
 
 
 def member_orders(n_samples: int, seeds: Sequence[int], *, epoch: int = 0,

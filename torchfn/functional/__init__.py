@@ -1,45 +1,13 @@
 """Functional core: stateless models, pytree helpers, transforms, train step, checkpoints."""
 
-from torchfn.functional._accountant import DEFAULT_RDP_ORDERS as DEFAULT_RDP_ORDERS
-from torchfn.functional._accountant import RDPAccountant as RDPAccountant
-from torchfn.functional._accountant import compute_rdp as compute_rdp
-from torchfn.functional._accountant import (
-    noise_multiplier_for_epsilon as noise_multiplier_for_epsilon,
-)
-from torchfn.functional._accountant import rdp_to_epsilon as rdp_to_epsilon
+from typing import Any
+
 from torchfn.functional._batchnorm import BatchNorm as BatchNorm
 from torchfn.functional._batchnorm import functional_batch_norm as functional_batch_norm
 from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
 from torchfn.functional._checkpoint import CheckpointError as CheckpointError
 from torchfn.functional._checkpoint import load_checkpoint as load_checkpoint
 from torchfn.functional._checkpoint import save_checkpoint as save_checkpoint
-from torchfn.functional._dp_sampling import PoissonSampler as PoissonSampler
-from torchfn.functional._dpsgd import ClippedSum as ClippedSum
-from torchfn.functional._dpsgd import DPState as DPState
-from torchfn.functional._dpsgd import DPTrainStep as DPTrainStep
-from torchfn.functional._dpsgd import init_dp_state as init_dp_state
-from torchfn.functional._dpsgd import make_dp_train_step as make_dp_train_step
-from torchfn.functional._ghost_grads import GhostGrads as GhostGrads
-from torchfn.functional._ghost_grads import GhostResult as GhostResult
-from torchfn.functional._ghost_layers import GhostLayerError as GhostLayerError
-from torchfn.functional._ghost_norms import GhostModel as GhostModel
-from torchfn.functional._ghost_norms import check_ghost_coverage as check_ghost_coverage
-from torchfn.functional._ghost_norms import ghost_grad_norms as ghost_grad_norms
-from torchfn.functional._ghost_norms import make_ghost_model as make_ghost_model
-from torchfn.functional._ghost_stats import GradStats as GradStats
-from torchfn.functional._ghost_stats import NoiseScaleState as NoiseScaleState
-from torchfn.functional._ghost_stats import NormHistory as NormHistory
-from torchfn.functional._ghost_stats import grad_stats as grad_stats
-from torchfn.functional._ghost_stats import init_noise_scale as init_noise_scale
-from torchfn.functional._ghost_stats import init_norm_history as init_norm_history
-from torchfn.functional._ghost_stats import two_batch_estimates as two_batch_estimates
-from torchfn.functional._ghost_stats import update_noise_scale as update_noise_scale
-from torchfn.functional._ghost_stats import update_norm_history as update_norm_history
-from torchfn.functional._graphed import GraphedStep as GraphedStep
-from torchfn.functional._graphed import make_graphed_step as make_graphed_step
-from torchfn.functional._optim import adam as adam
-from torchfn.functional._optim import adamw as adamw
-from torchfn.functional._optim import scale_by_adam as scale_by_adam
 from torchfn.functional._pytree import tree_add as tree_add
 from torchfn.functional._pytree import tree_add_scaled as tree_add_scaled
 from torchfn.functional._pytree import tree_dot as tree_dot
@@ -68,54 +36,25 @@ from torchfn.functional._transforms import per_sample_grads as per_sample_grads
 from torchfn.functional._transforms import single_sample_fn as single_sample_fn
 
 __all__ = [
-    "DEFAULT_RDP_ORDERS",
     "BatchNorm",
     "CheckpointError",
-    "ClippedSum",
-    "DPState",
-    "DPTrainStep",
     "DynamicLossScaler",
     "FunctionalModel",
-    "GhostGrads",
-    "GhostLayerError",
-    "GhostModel",
-    "GhostResult",
-    "GradStats",
-    "GraphedStep",
     "LossScaleState",
-    "NoiseScaleState",
-    "NormHistory",
-    "PoissonSampler",
-    "RDPAccountant",
     "TrainState",
-    "adam",
-    "adamw",
-    "check_ghost_coverage",
-    "compute_rdp",
     "empirical_ntk",
     "functional_batch_norm",
-    "ghost_grad_norms",
-    "grad_stats",
     "hessian_diagonal",
     "hessian_matrix",
     "hvp",
-    "init_dp_state",
-    "init_noise_scale",
-    "init_norm_history",
     "init_train_state",
     "load_checkpoint",
-    "make_dp_train_step",
     "make_functional",
-    "make_ghost_model",
-    "make_graphed_step",
     "make_train_step",
-    "noise_multiplier_for_epsilon",
     "per_sample_grad_norms",
     "per_sample_grads",
-    "rdp_to_epsilon",
     "replace_batchnorm",
     "save_checkpoint",
-    "scale_by_adam",
     "single_sample_fn",
     "step_rng",
     "tree_add",
@@ -129,7 +68,47 @@ __all__ = [
     "tree_scalar_mul",
     "tree_sub",
     "tree_zeros_like",
-    "two_batch_estimates",
-    "update_noise_scale",
-    "update_norm_history",
 ]
+
+
+# Names that moved to another package: a clear error instead of a silent alias.
+_MOVED = {
+    "DEFAULT_RDP_ORDERS": "torchfn.persample.DEFAULT_RDP_ORDERS",
+    "RDPAccountant": "torchfn.persample.RDPAccountant",
+    "compute_rdp": "torchfn.persample.compute_rdp",
+    "noise_multiplier_for_epsilon": "torchfn.persample.noise_multiplier_for_epsilon",
+    "rdp_to_epsilon": "torchfn.persample.rdp_to_epsilon",
+    "PoissonSampler": "torchfn.persample.PoissonSampler",
+    "ClippedSum": "torchfn.persample.ClippedSum",
+    "DPState": "torchfn.persample.DPState",
+    "DPTrainStep": "torchfn.persample.DPTrainStep",
+    "init_dp_state": "torchfn.persample.init_dp_state",
+    "make_dp_train_step": "torchfn.persample.make_dp_train_step",
+    "GhostGrads": "torchfn.persample.GhostGrads",
+    "GhostResult": "torchfn.persample.GhostResult",
+    "GhostLayerError": "torchfn.persample.GhostLayerError",
+    "GhostModel": "torchfn.persample.GhostModel",
+    "check_ghost_coverage": "torchfn.persample.check_ghost_coverage",
+    "ghost_grad_norms": "torchfn.persample.ghost_grad_norms",
+    "make_ghost_model": "torchfn.persample.make_ghost_model",
+    "GradStats": "torchfn.persample.GradStats",
+    "NoiseScaleState": "torchfn.persample.NoiseScaleState",
+    "NormHistory": "torchfn.persample.NormHistory",
+    "grad_stats": "torchfn.persample.grad_stats",
+    "init_noise_scale": "torchfn.persample.init_noise_scale",
+    "init_norm_history": "torchfn.persample.init_norm_history",
+    "two_batch_estimates": "torchfn.persample.two_batch_estimates",
+    "update_noise_scale": "torchfn.persample.update_noise_scale",
+    "update_norm_history": "torchfn.persample.update_norm_history",
+    "adam": "torchfn.optim.adam",
+    "adamw": "torchfn.optim.adamw",
+    "scale_by_adam": "torchfn.optim.scale_by_adam",
+    "make_graphed_step": "torchfn.compile.make_graphed_step",
+    "GraphedStep": "torchfn.compile (internal now: torchfn.compile.make_graphed_step returns it)",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

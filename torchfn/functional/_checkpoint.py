@@ -2,8 +2,10 @@
 
 The file holds only plain containers (dicts, lists, strings, numbers, tensors): ``weights_only``
 refuses pickled classes, so tuples, lists and NamedTuples (torchopt's optimizer states) are
-written as tagged dicts and rebuilt on load. A NamedTuple class is re-imported by name only from
-``torchopt`` and ``torchfn``; for a state with other classes, pass the optimizer to
+written as tagged dicts and rebuilt on load. torchfn's state NamedTuples are recorded by their
+stable public names (``torchfn.optim.StackedAdamState``), so moving a class between private
+modules keeps old files loadable (older module paths are accepted through an alias table);
+torchopt's are recorded as ``module:qualname`` and re-imported from ``torchopt``; for a state with other classes, pass the optimizer to
 :func:`load_checkpoint`, which then uses ``optimizer.init(params)`` as the template whose types
 are refilled (and checked leaf by leaf) from the file.
 
@@ -34,6 +36,52 @@ FORMAT_VERSION = 1
 _KIND = "__torchfn_kind__"
 _ALLOWED_MODULES = ("torchopt.", "torchfn.")
 
+# torchfn's checkpointable state types by stable name: the package that exports the class
+# publicly, then its name. A checkpoint records these names, never the private module.
+_STABLE_NAMES = (
+    "torchfn.functional.LossScaleState",
+    "torchfn.functional.TrainState",
+    "torchfn.optim.StackedAdamState",
+    "torchfn.optim.StackedSgdState",
+    "torchfn.persample.ClippedSum",
+    "torchfn.persample.DPState",
+    "torchfn.persample.GradStats",
+    "torchfn.persample.NoiseScaleState",
+    "torchfn.persample.NormHistory",
+)
+# What earlier checkpoints recorded for the same classes (``module:qualname``).
+_LEGACY_NAMES = {
+    "torchfn.ops._stacked_optimizers:StackedAdamState": "torchfn.optim.StackedAdamState",
+    "torchfn.ops._stacked_optimizers:StackedSgdState": "torchfn.optim.StackedSgdState",
+    "torchfn.functional._train_step:LossScaleState": "torchfn.functional.LossScaleState",
+    "torchfn.functional._train_step:TrainState": "torchfn.functional.TrainState",
+    "torchfn.functional._dpsgd:ClippedSum": "torchfn.persample.ClippedSum",
+    "torchfn.functional._dpsgd:DPState": "torchfn.persample.DPState",
+    "torchfn.functional._ghost_stats:GradStats": "torchfn.persample.GradStats",
+    "torchfn.functional._ghost_stats:NoiseScaleState": "torchfn.persample.NoiseScaleState",
+    "torchfn.functional._ghost_stats:NormHistory": "torchfn.persample.NormHistory",
+}
+_STATE_TYPES: dict[str, type] = {}
+
+
+def _state_types() -> dict[str, type]:
+    """Return the registry ``{stable name: class}``, filled on first use (the packages that
+    define the classes sit above this module, so they are looked up by name, not imported)."""
+    if not _STATE_TYPES:
+        for name in _STABLE_NAMES:
+            package, _, attr = name.rpartition(".")
+            _STATE_TYPES[name] = getattr(importlib.import_module(package), attr)
+    return _STATE_TYPES
+
+
+def _type_name(cls: type) -> str:
+    """Return what a checkpoint records for the NamedTuple class ``cls``."""
+    if cls.__module__.startswith("torchfn."):
+        for name, known in _state_types().items():
+            if known is cls:
+                return name
+    return f"{cls.__module__}:{cls.__qualname__}"
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is unreadable, corrupt, or of an unknown format."""
@@ -51,7 +99,7 @@ def _encode(obj: Any, where: str) -> Any:
         cls = type(obj)
         return {
             _KIND: "namedtuple",
-            "type": f"{cls.__module__}:{cls.__qualname__}",
+            "type": _type_name(cls),
             "fields": {f: _encode(getattr(obj, f), f"{where}.{f}") for f in cls._fields},
         }
     if isinstance(obj, (tuple, list)):
@@ -76,8 +124,11 @@ def _encode(obj: Any, where: str) -> Any:
 
 
 def _import_namedtuple(type_name: str, fields: list[str], where: str, path: str) -> type:
+    stable = _LEGACY_NAMES.get(type_name, type_name)
+    if stable in _STABLE_NAMES:
+        return _check_fields(_state_types()[stable], type_name, fields, where, path)
     module_name, _, qualname = type_name.partition(":")
-    if not module_name.startswith(_ALLOWED_MODULES):
+    if not qualname or not module_name.startswith(_ALLOWED_MODULES):
         raise CheckpointError(
             f"load_checkpoint({path!r}): {where} is a {type_name}, which is not imported from a "
             "checkpoint (only torchopt/torchfn classes are); pass optimizer=... to rebuild the "
@@ -92,6 +143,10 @@ def _import_namedtuple(type_name: str, fields: list[str], where: str, path: str)
             f"load_checkpoint({path!r}): {where} is a {type_name}, which no longer exists ({e}); "
             "pass optimizer=... to rebuild the optimizer state from optimizer.init(params)"
         ) from e
+    return _check_fields(obj, type_name, fields, where, path)
+
+
+def _check_fields(obj: Any, type_name: str, fields: list[str], where: str, path: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields")):
         raise CheckpointError(f"load_checkpoint({path!r}): {where}: {type_name} is no NamedTuple")
     if list(obj._fields) != fields:
@@ -187,7 +242,8 @@ def save_checkpoint(
 
     Example:
         >>> import os, tempfile, torch
-        >>> from torchfn.functional import adam, init_train_state, save_checkpoint, load_checkpoint
+        >>> from torchfn.optim import adam
+        >>> from torchfn.functional import init_train_state, save_checkpoint, load_checkpoint
         >>> opt = adam(1e-3)
         >>> state = init_train_state({"w": torch.ones(2)}, {}, opt, seed=0)
         >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
@@ -261,7 +317,8 @@ def load_checkpoint(
 
     Example:
         >>> import os, tempfile, torch
-        >>> from torchfn.functional import adam, init_train_state, save_checkpoint, load_checkpoint
+        >>> from torchfn.optim import adam
+        >>> from torchfn.functional import init_train_state, save_checkpoint, load_checkpoint
         >>> opt = adam(1e-3)
         >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
         >>> save_checkpoint(path, init_train_state({"w": torch.ones(2)}, {}, opt, seed=7))

@@ -136,7 +136,8 @@ def init_train_state(
 
     Example:
         >>> import torch
-        >>> from torchfn.functional import adam, init_train_state
+        >>> from torchfn.optim import adam
+        >>> from torchfn.functional import init_train_state
         >>> params = {"weight": torch.zeros(2, 3)}
         >>> state = init_train_state(params, {}, adam(1e-3), seed=0)
         >>> state.step
@@ -196,7 +197,8 @@ def step_rng(state: TrainState) -> Iterator[int]:
 
     Example:
         >>> import torch
-        >>> from torchfn.functional import adam, init_train_state, step_rng
+        >>> from torchfn.optim import adam
+        >>> from torchfn.functional import init_train_state, step_rng
         >>> state = init_train_state({"w": torch.zeros(2)}, {}, adam(), seed=3)
         >>> with step_rng(state):
         ...     a = torch.rand(2)
@@ -334,7 +336,8 @@ def make_train_step(
 
     Example:
         >>> import torch
-        >>> from torchfn.functional import adam, init_train_state, make_train_step
+        >>> from torchfn.optim import adam
+        >>> from torchfn.functional import init_train_state, make_train_step
         >>> def model_fn(params, buffers, x):
         ...     return x @ params["w"], buffers
         >>> def loss_fn(out, y):

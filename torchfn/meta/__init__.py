@@ -1,18 +1,7 @@
 """Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile; tasks batched with vmap."""
 
-from torchfn.meta._conv_layout import (
-    channels_last_grouped_convs as channels_last_grouped_convs,
-)
-from torchfn.meta._conv_layout import (
-    channels_last_pays as channels_last_pays,
-)
-from torchfn.meta._conv_pass import (
-    GroupedConvDoubleBackwardPass as GroupedConvDoubleBackwardPass,
-)
-from torchfn.meta._conv_pass import (
-    fuse_grouped_conv_double_backward as fuse_grouped_conv_double_backward,
-)
-from torchfn.meta._conv_pass import inductor_options as inductor_options
+from typing import Any
+
 from torchfn.meta._maml import LR_PREFIX as LR_PREFIX
 from torchfn.meta._maml import MetaLearner as MetaLearner
 from torchfn.meta._maml import anil as anil
@@ -25,21 +14,13 @@ from torchfn.meta._step import make_meta_train_step as make_meta_train_step
 from torchfn.meta._tasks import Task as Task
 from torchfn.meta._tasks import sinusoid_tasks as sinusoid_tasks
 from torchfn.meta._tasks import stack_episodes as stack_episodes
-from torchfn.meta._unfold_conv import UnfoldConv2d as UnfoldConv2d
-from torchfn.meta._unfold_conv import unfold_convs as unfold_convs
 
 __all__ = [
     "LR_PREFIX",
-    "GroupedConvDoubleBackwardPass",
     "MetaLearner",
     "Task",
-    "UnfoldConv2d",
     "anil",
-    "channels_last_grouped_convs",
-    "channels_last_pays",
     "fomaml",
-    "fuse_grouped_conv_double_backward",
-    "inductor_options",
     "init_meta_state",
     "make_meta_train_step",
     "maml",
@@ -47,5 +28,22 @@ __all__ = [
     "reptile",
     "sinusoid_tasks",
     "stack_episodes",
-    "unfold_convs",
 ]
+
+
+# Names that moved to another package: a clear error instead of a silent alias.
+_MOVED = {
+    "inductor_options": "torchfn.compile.inductor_options",
+    "unfold_convs": "torchfn.compile.unfold_convs",
+    "UnfoldConv2d": "torchfn.compile (internal now; use torchfn.compile.unfold_convs)",
+    "GroupedConvDoubleBackwardPass": "torchfn.compile (internal now; use torchfn.compile.inductor_options)",
+    "fuse_grouped_conv_double_backward": "torchfn.compile (internal now; use torchfn.compile.inductor_options)",
+    "channels_last_grouped_convs": "torchfn.compile (internal now; use torchfn.compile.inductor_options)",
+    "channels_last_pays": "torchfn.compile (internal now; use torchfn.compile.inductor_options)",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

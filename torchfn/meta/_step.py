@@ -9,7 +9,7 @@ import torchopt
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from torchfn.functional._train_step import TrainState, init_train_state
+from torchfn.functional import TrainState, init_train_state
 from torchfn.meta._maml import MetaLearner
 from torchfn.meta._tasks import Task
 
@@ -31,7 +31,7 @@ def init_meta_state(
 
     Example:
         >>> import torch, torch.nn.functional as F
-        >>> from torchfn.functional import adam
+        >>> from torchfn.optim import adam
         >>> from torchfn.meta import maml
         >>> learner = maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
         >>> state = init_meta_state(learner, {"w": torch.zeros(1, 1)}, {}, adam(1e-3))
@@ -54,7 +54,7 @@ def make_meta_train_step(
 
     Example:
         >>> import torch, torch.nn.functional as F
-        >>> from torchfn.functional import adam
+        >>> from torchfn.optim import adam
         >>> from torchfn.meta import maml, sinusoid_tasks
         >>> learner = maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
         >>> opt = adam(1e-2)

@@ -12,12 +12,15 @@ Example:
     tensor([-0.5000,  1.0000])
 """
 
+from typing import Any
+
 from torchfn.ops import reference as reference
 from torchfn.ops._activations import leaky_relu as leaky_relu
 from torchfn.ops._activations import sigmoid as sigmoid
 from torchfn.ops._build import TorchfnOpsWarning as TorchfnOpsWarning
 from torchfn.ops._build import build_ops as build_ops
 from torchfn.ops._build import ops_status as ops_status
+from torchfn.ops._dispatch import functorch_stack as functorch_stack
 from torchfn.ops._ghost import clipped_linear_bias_grad_sum as clipped_linear_bias_grad_sum
 from torchfn.ops._ghost import clipped_linear_grad_sum as clipped_linear_grad_sum
 from torchfn.ops._ghost import gram_is_cheaper as gram_is_cheaper
@@ -25,19 +28,16 @@ from torchfn.ops._ghost import linear_bias_grad_norms_sq as linear_bias_grad_nor
 from torchfn.ops._ghost import linear_grad_norms_sq as linear_grad_norms_sq
 from torchfn.ops._stacked_optim import stacked_adam_update as stacked_adam_update
 from torchfn.ops._stacked_optim import stacked_sgd_update as stacked_sgd_update
-from torchfn.ops._stacked_optimizers import StackedAdamState as StackedAdamState
-from torchfn.ops._stacked_optimizers import StackedSgdState as StackedSgdState
-from torchfn.ops._stacked_optimizers import stacked_adam as stacked_adam
-from torchfn.ops._stacked_optimizers import stacked_sgd as stacked_sgd
+from torchfn.ops._stacked_optim_multi import stacked_adam_update_multi as stacked_adam_update_multi
+from torchfn.ops._stacked_optim_multi import stacked_sgd_update_multi as stacked_sgd_update_multi
 from torchfn.ops._xent import softmax_cross_entropy as softmax_cross_entropy
 
 __all__ = [
-    "StackedAdamState",
-    "StackedSgdState",
     "TorchfnOpsWarning",
     "build_ops",
     "clipped_linear_bias_grad_sum",
     "clipped_linear_grad_sum",
+    "functorch_stack",
     "gram_is_cheaper",
     "leaky_relu",
     "linear_bias_grad_norms_sq",
@@ -46,8 +46,23 @@ __all__ = [
     "reference",
     "sigmoid",
     "softmax_cross_entropy",
-    "stacked_adam",
     "stacked_adam_update",
-    "stacked_sgd",
+    "stacked_adam_update_multi",
     "stacked_sgd_update",
+    "stacked_sgd_update_multi",
 ]
+
+
+# Names that moved to another package: a clear error instead of a silent alias.
+_MOVED = {
+    "StackedAdamState": "torchfn.optim.StackedAdamState",
+    "StackedSgdState": "torchfn.optim.StackedSgdState",
+    "stacked_adam": "torchfn.optim.stacked_adam",
+    "stacked_sgd": "torchfn.optim.stacked_sgd",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn._checks import check_float_tensor as check_float_tensor
 from torchfn.ops import _build
 
 __all__ = [
@@ -45,7 +46,6 @@ __all__ = [
     "vmapped_numel",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,21 +211,6 @@ def use_kernel(op: str, x: Tensor) -> bool:
     if min_numel is None or vmapped_numel(x, stack) < min_numel:
         return False
     return _build.has_kernels(x.device.type)
-
-
-def check_float_tensor(op: str, arg: str, x: object) -> None:
-    """Raise a clear error unless ``x`` is a float16/bfloat16/float32/float64 tensor."""
-    if not isinstance(x, Tensor):
-        raise TypeError(
-            f"torchfn.ops.{op}({arg}=...): expected {arg} to be a torch.Tensor, "
-            f"got {type(x).__name__}"
-        )
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"torchfn.ops.{op}({arg}=...): expected a floating-point tensor (float32, "
-            f"float64, float16 or bfloat16), got {arg}.dtype={x.dtype} on device "
-            f"{x.device}; convert it first, e.g. {arg}.float()"
-        )
 
 
 def check_float_scalar(op: str, arg: str, value: object) -> float:

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchfn._checks import _check_like, _fmt, _member_tensor, check_float_tensor
 from torchfn.ops import _build, reference
-from torchfn.ops._dispatch import check_float_tensor, use_kernel
+from torchfn.ops._dispatch import use_kernel
 from torchfn.ops._stacked_optim_grad import (
     _adam_jvp,
     _adam_vjp,
@@ -37,11 +38,9 @@ from torchfn.ops._stacked_optim_grad import (
     _sgd_vjp,
     _unfold,
 )
-from torchfn.ops.reference import _opmath
 
 __all__ = ["stacked_adam_update", "stacked_sgd_update"]
 
-_LOW = (torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,10 +153,6 @@ _build.on_load(_register_fakes)
 # Public per-leaf functions: validate, convert, dispatch
 
 
-def _fmt(shape: Any) -> str:
-    return str(tuple(shape))
-
-
 def _check_leaf(op: str, grad: object) -> Tensor:
     check_float_tensor(op, "grad", grad)
     assert isinstance(grad, Tensor)
@@ -167,60 +162,6 @@ def _check_leaf(op: str, grad: object) -> Tensor:
             "members along dim 0, got a 0-d tensor"
         )
     return grad
-
-
-def _check_like(op: str, arg: str, t: object, grad: Tensor, state: bool) -> Tensor:
-    """``t`` must have grad's shape and device; grad's dtype (or float32 for a state)."""
-    check_float_tensor(op, arg, t)
-    assert isinstance(t, Tensor)
-    if t.shape != grad.shape:
-        raise ValueError(
-            f"torchfn.ops.{op}({arg}=...): expected {arg} of grad's shape {_fmt(grad.shape)}, "
-            f"got {_fmt(t.shape)}"
-        )
-    if t.device != grad.device:
-        raise ValueError(
-            f"torchfn.ops.{op}({arg}=...): expected {arg} on grad's device {grad.device}, got "
-            f"{t.device}"
-        )
-    ok = t.dtype == grad.dtype or (state and grad.dtype in _LOW and t.dtype == torch.float32)
-    if not ok:
-        extra = " (or float32)" if state and grad.dtype in _LOW else ""
-        raise TypeError(
-            f"torchfn.ops.{op}({arg}=...): expected {arg}.dtype={grad.dtype}{extra} like grad, "
-            f"got {t.dtype}"
-        )
-    return t
-
-
-def _member_tensor(op: str, arg: str, value: object, grad: Tensor) -> Tensor:
-    """Return ``value`` (a float, a 0-d or (N,) tensor) as a tensor in the compute dtype."""
-    work = _opmath(grad.dtype)
-    n = grad.shape[0]
-    if isinstance(value, Tensor):
-        if not value.is_floating_point():
-            raise TypeError(
-                f"torchfn.ops.{op}({arg}=...): expected a floating-point tensor, got "
-                f"{arg}.dtype={value.dtype}"
-            )
-        if not (value.ndim == 0 or (value.ndim == 1 and value.shape[0] == n)):
-            raise ValueError(
-                f"torchfn.ops.{op}({arg}=...): expected a float, a 0-d tensor or a tensor of "
-                f"shape (N,) = ({n},) (one value per member; N = grad.shape[0]), got shape "
-                f"{_fmt(value.shape)}"
-            )
-        if value.device != grad.device:
-            raise ValueError(
-                f"torchfn.ops.{op}({arg}=...): expected {arg} on grad's device {grad.device}, "
-                f"got {value.device}; move it once, e.g. {arg}.to({str(grad.device)!r})"
-            )
-        return value.to(work)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"torchfn.ops.{op}({arg}=...): expected a float or a tensor, got "
-            f"{type(value).__name__}"
-        )
-    return torch.full((), float(value), dtype=work, device=grad.device)
 
 
 def _count_tensor(op: str, count: object, grad: Tensor) -> Tensor:

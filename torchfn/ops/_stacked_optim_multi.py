@@ -4,9 +4,9 @@
 stacked leaves that share N, dtype and device, and one count, lr and weight decay; the
 ``autograd.Function`` classes here give them the same derivatives, jvp and vmap rules as the
 single-leaf Functions in :mod:`torchfn.ops._stacked_optim` (applied leaf by leaf, with the
-derivatives of lr and weight decay summed over the leaves). The optimizers of
-:mod:`torchfn.ops._stacked_optimizers` call :func:`_adam_multi` / :func:`_sgd_multi` once per
-group of leaves; measured on an H100, one call instead of one per leaf is what makes an eager
+derivatives of lr and weight decay summed over the leaves). The stacked optimizers of
+:mod:`torchfn.optim` call :func:`stacked_adam_update_multi` / :func:`stacked_sgd_update_multi`
+once per group of leaves; measured on an H100, one call instead of one per leaf is what makes an eager
 ensemble step fast (the per-leaf Python cost exceeds the kernels' time).
 """
 
@@ -184,7 +184,7 @@ class _StackedSgdMultiFn(torch.autograd.Function):
 # Many leaves at once (what the optimizers call): one launch, one Python call per step
 
 
-def _adam_multi(
+def stacked_adam_update_multi(
     grads: list[Tensor],
     mus: list[Tensor],
     nus: list[Tensor],
@@ -214,7 +214,7 @@ def _adam_multi(
     return list(u), list(m), list(v)
 
 
-def _sgd_multi(
+def stacked_sgd_update_multi(
     grads: list[Tensor],
     bufs: list[Tensor] | None,
     params: list[Tensor] | None,
@@ -224,7 +224,7 @@ def _sgd_multi(
     hyper: tuple[float, float, bool, bool],
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """Return ``(updates, new_buffers or None)`` of one SGD step of leaves sharing N, dtype and
-    device (see :func:`_adam_multi`). ``hyper``: (momentum, dampening, nesterov, maximize)."""
+    device (see :func:`stacked_adam_update_multi`). ``hyper``: (momentum, dampening, nesterov, maximize)."""
     ps = params if weight_decay is not None else None
     if not use_stacked_kernel("stacked_sgd_update", grads[0]):
         outs = [reference.stacked_sgd_update(g, None if bufs is None else bufs[i],

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from torchfn._checks import _opmath
+
 __all__ = [
     "clipped_linear_bias_grad_sum",
     "clipped_linear_grad_sum",
@@ -190,11 +192,6 @@ def clipped_linear_bias_grad_sum(g: Tensor, coef: Tensor) -> Tensor:
 
 
 # --- op 4: fused optimizer updates over stacked parameters (N, ...) ---------------------------
-
-
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    """Return the compute dtype of the stacked-optimizer ops: float64 or float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _per_member(t: Tensor, ndim: int, dtype: torch.dtype) -> Tensor:

@@ -94,7 +94,7 @@ def scale_by_adam(
 
     Example:
         >>> import torch
-        >>> from torchfn.functional import scale_by_adam
+        >>> from torchfn.optim import scale_by_adam
         >>> tx = scale_by_adam()
         >>> params = {"w": torch.ones(3)}
         >>> state = tx.init(params)
@@ -223,7 +223,7 @@ def adam(
 
     Example:
         >>> import torch, torchopt
-        >>> from torchfn.functional import adam
+        >>> from torchfn.optim import adam
         >>> opt = adam(lr=0.1)
         >>> params = {"w": torch.tensor([1.0, -2.0])}
         >>> state = opt.init(params)
@@ -268,7 +268,7 @@ def adamw(
 
     Example:
         >>> import torch, torchopt
-        >>> from torchfn.functional import adamw
+        >>> from torchfn.optim import adamw
         >>> opt = adamw(lr=0.1, weight_decay=0.5)
         >>> params = {"w": torch.tensor([1.0, -2.0])}
         >>> state = opt.init(params)

@@ -12,7 +12,7 @@ from the state's count, not from Python state, so a resumed run continues exactl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -21,13 +21,17 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Params, Updates
 
-from torchfn.ensembles._build import _fmt
-from torchfn.ops import StackedAdamState, StackedSgdState, stacked_adam, stacked_sgd
-from torchfn.ops._stacked_optim import _LOW
-from torchfn.ops._stacked_optimizers import _count_device, _flatten_update
-from torchfn.ops.reference import _opmath
+from torchfn._checks import _LOW, _fmt, _n_members, _opmath
+from torchfn.optim._stacked import (
+    StackedAdamState,
+    StackedSgdState,
+    _count_device,
+    _flatten_update,
+    stacked_adam,
+    stacked_sgd,
+)
 
-__all__ = ["per_member_adam", "per_member_sgd"]
+__all__ = ["per_member_adam", "per_member_optimizer", "per_member_sgd"]
 
 Hyper = float | Tensor
 
@@ -140,7 +144,7 @@ def per_member_sgd(
 
     Example:
         >>> import torch
-        >>> from torchfn.ensembles import per_member_sgd
+        >>> from torchfn.optim import per_member_sgd
         >>> opt = per_member_sgd(lr=0.1, momentum=torch.tensor([0.0, 0.9]))
         >>> params, g = {"w": torch.zeros(2, 3)}, {"w": torch.ones(2, 3)}
         >>> state = opt.init(params)
@@ -234,7 +238,7 @@ def per_member_adam(
 
     Example:
         >>> import torch
-        >>> from torchfn.ensembles import per_member_adam
+        >>> from torchfn.optim import per_member_adam
         >>> opt = per_member_adam(lr=0.1, betas=(torch.tensor([0.0, 0.9]), 0.999))
         >>> params = {"w": torch.zeros(2, 3)}
         >>> updates, _ = opt.update({"w": torch.ones(2, 3)}, opt.init(params), params=params)
@@ -305,5 +309,93 @@ def per_member_adam(
             new_v.append(v.to(v0.dtype))
         return spec.unflatten(new_u), StackedAdamState(
             mu=spec.unflatten(new_m), nu=spec.unflatten(new_v), count=count)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def per_member_optimizer(
+    make_optimizer: Callable[..., GradientTransformation],
+    hyperparams: Mapping[str, Tensor],
+) -> GradientTransformation:
+    """Return a transformation over stacked leaves running ``make_optimizer(**h_n)`` per member.
+
+    ``hyperparams`` maps keyword names of ``make_optimizer`` to ``(N,)`` tensors; member ``n``
+    is updated by ``make_optimizer(**{k: v[n]})`` (``init`` and ``update`` run under ``vmap``,
+    so the hyperparameters reach the optimizer as 0-d batched tensors. torchopt's aliases
+    check ``lr >= 0`` in Python, which vmap refuses: pass the lr as a constant schedule,
+    ``lambda lr: torchopt.sgd(lambda _: lr)``). ``make_optimizer`` is called anew on every
+    update, so the transformation must keep all its state in the optimizer state, none in
+    Python: ``init`` checks this on member 0 (two updates from the same state must agree) and
+    raises ``ValueError`` otherwise -- torchopt's momentum (``trace``) keeps a Python
+    first-call flag and is refused. For SGD with momentum / Nesterov and Adam/AdamW with
+    per-member momentum, betas or eps use :func:`per_member_sgd` / :func:`per_member_adam`
+    (exact, and fused when only lr and weight decay vary). The state is the per-member state
+    stacked on dim 0.
+
+    Example:
+        >>> import torch, torchopt
+        >>> from torchfn.optim import per_member_optimizer
+        >>> opt = per_member_optimizer(lambda lr: torchopt.sgd(lambda _: lr),
+        ...                            {"lr": torch.tensor([0.1, 1.0])})
+        >>> params = {"w": torch.zeros(2, 3)}
+        >>> updates, _ = opt.update({"w": torch.ones(2, 3)}, opt.init(params), params=params)
+        >>> updates["w"][:, 0]
+        tensor([-0.1000, -1.0000])
+    """
+    where = "per_member_optimizer(make_optimizer, hyperparams)"
+    names = sorted(hyperparams)
+    for k in names:
+        v = hyperparams[k]
+        if not isinstance(v, Tensor) or v.ndim != 1:
+            raise ValueError(f"{where}: hyperparams[{k!r}] must be a (N,) tensor, got "
+                             f"{_fmt(v.shape) if isinstance(v, Tensor) else type(v).__name__}")
+    hs = {k: hyperparams[k] for k in names}
+
+    def check(params: Params) -> None:
+        n = _n_members(params, where)
+        for k, v in hs.items():
+            if v.shape[0] != n:
+                raise ValueError(f"{where}: hyperparams[{k!r}] has {v.shape[0]} values, but "
+                                 f"the params stack N={n} members")
+
+    def check_pure(params: Params) -> None:
+        # A transformation with Python state (torchopt's trace: a first-call flag) behaves
+        # differently on its first and later calls; rebuilt per update it would silently
+        # drop momentum. Probe member 0: a second update from the same state must agree
+        # with a fresh transformation's first update from that state.
+        h0 = {k: v[0] for k, v in hs.items()}
+        p0 = optree.tree_map(lambda t: t[0].detach(), params)
+        gen = torch.Generator().manual_seed(0)
+        g0 = optree.tree_map(lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype
+                                                   ).to(t.device), p0)
+        with torch.no_grad():
+            used = make_optimizer(**h0)
+            _, s1 = used.update(g0, used.init(p0), params=p0, inplace=False)
+            again, _ = used.update(g0, s1, params=p0, inplace=False)
+            fresh, _ = make_optimizer(**h0).update(g0, s1, params=p0, inplace=False)
+        for a, b in zip(optree.tree_leaves(again), optree.tree_leaves(fresh), strict=True):
+            if not torch.equal(a, b):
+                raise ValueError(
+                    f"{where}: make_optimizer(...) builds a transformation that keeps state in "
+                    "Python between updates (torchopt's momentum/trace does: a first-call "
+                    "flag), so rebuilding it per update would be silently wrong. Use "
+                    "torchfn.ensembles.per_member_sgd(lr, momentum=..., nesterov=...) or "
+                    "per_member_adam(lr, betas=...), whose hyperparameters may all be (N,) "
+                    "tensors")
+
+    def init_fn(params: Params) -> OptState:
+        check(params)
+        check_pure(params)
+        return torch.func.vmap(lambda h, p: make_optimizer(**h).init(p))(hs, params)
+
+    def update_fn(updates: Updates, state: OptState, *, params: Params | None = None,
+                  inplace: bool = True) -> tuple[Updates, OptState]:
+        del inplace  # always out-of-place
+
+        def one(h: dict[str, Tensor], g: Updates, s: OptState, p: Params | None) -> Any:
+            return make_optimizer(**h).update(g, s, params=p, inplace=False)
+
+        return torch.func.vmap(one, in_dims=(0, 0, 0, None if params is None else 0))(
+            hs, updates, state, params)
 
     return GradientTransformation(init_fn, update_fn)

@@ -17,10 +17,8 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Params, Updates
 
-from torchfn.ops._dispatch import check_float_tensor
-from torchfn.ops._stacked_optim import _LOW, _check_like, _fmt, _member_tensor
-from torchfn.ops._stacked_optim_multi import _adam_multi, _sgd_multi
-from torchfn.ops.reference import _opmath
+from torchfn._checks import _LOW, _check_like, _fmt, _member_tensor, _opmath, check_float_tensor
+from torchfn.ops import stacked_adam_update_multi, stacked_sgd_update_multi
 
 __all__ = ["StackedAdamState", "StackedSgdState", "stacked_adam", "stacked_sgd"]
 
@@ -199,7 +197,7 @@ def stacked_adam(
 
     Example:
         >>> import torch, torchopt
-        >>> from torchfn.ops import stacked_adam
+        >>> from torchfn.optim import stacked_adam
         >>> params = {"w": torch.zeros(3, 2)}  # 3 members
         >>> opt = stacked_adam(lr=torch.tensor([0.1, 0.2, 0.3]))
         >>> state = opt.init(params)
@@ -251,7 +249,7 @@ def stacked_adam(
         new_mu, new_nu = list(mus), list(nus)
         for (_, _, device), idx in _groups("stacked_adam.update", grads, mus, ps, "state.mu").items():
             g0 = grads[idx[0]]
-            u, m, v = _adam_multi(
+            u, m, v = stacked_adam_update_multi(
                 [grads[i] for i in idx], [mus[i] for i in idx], [nus[i] for i in idx],
                 None if ps is None else [ps[i] for i in idx], _count_on(count, device),
                 hp.get("lr", lr_now, g0),
@@ -284,7 +282,7 @@ def stacked_sgd(
 
     Example:
         >>> import torch, torchopt
-        >>> from torchfn.ops import stacked_sgd
+        >>> from torchfn.optim import stacked_sgd
         >>> params = {"w": torch.zeros(2, 3)}
         >>> opt = stacked_sgd(lr=torch.tensor([0.1, 1.0]), momentum=0.9)
         >>> state = opt.init(params)
@@ -337,7 +335,7 @@ def stacked_sgd(
         for (_, _, device), idx in _groups("stacked_sgd.update", grads, bufs, ps,
                                            "state.momentum_buffer").items():
             g0 = grads[idx[0]]
-            u, b = _sgd_multi(
+            u, b = stacked_sgd_update_multi(
                 [grads[i] for i in idx], [bufs[i] for i in idx] if use_buf else None,
                 None if ps is None else [ps[i] for i in idx], _count_on(count, device),
                 hp.get("lr", lr_now, g0),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torchfn.functional._dp_random import fold_in, key_from_seed, uniform
+from torchfn.persample._dp_random import fold_in, key_from_seed, uniform
 
 __all__ = ["PoissonSampler"]
 

@@ -19,12 +19,12 @@ is the sampled Gaussian mechanism that :class:`torchfn.functional.RDPAccountant`
   a different distribution). Shapes are static: the compiled step never recompiles.
 - **Masking**: a padded entry (``valid = False``) is computed like any other and then gets
   clipping coefficient 0, so it adds nothing to ``g``.
-- **Clipping**: per-sample norms are ghost norms (:mod:`torchfn.functional._ghost_norms`);
+- **Clipping**: per-sample norms are ghost norms (:mod:`torchfn.persample._ghost_norms`);
   flat (one ``C`` for the whole gradient) or per layer (``C_l`` per layer, so the total
   sensitivity is ``C = sqrt(sum_l C_l^2)`` and the noise std is ``sigma * C``). The clipped
   sum is book-keeping style: one weighted GEMM per linear/conv layer from the activations
   and output gradients the single backward left behind.
-- **Noise**: ``sigma * C`` times standard normals from :mod:`torchfn.functional._dp_random`:
+- **Noise**: ``sigma * C`` times standard normals from :mod:`torchfn.persample._dp_random`:
   one flat draw over all trainable parameters (in ``params`` order) under ``state.key``, the
   step's key, which the step then advances (``fold_in(key, "next")``). A pure function of
   the state, identical eager and compiled, resumable from a checkpoint of the state.
@@ -46,10 +46,10 @@ from torchopt.base import GradientTransformation
 from torchopt.typing import OptState
 from torchopt.update import apply_updates
 
-from torchfn.functional._accountant import RDPAccountant
-from torchfn.functional._dp_random import fold_in, key_from_seed, normal
-from torchfn.functional._ghost_norms import GhostModel
-from torchfn.functional._graphed import _compile_kwargs
+from torchfn._checks import _compile_kwargs
+from torchfn.persample._accountant import RDPAccountant
+from torchfn.persample._dp_random import fold_in, key_from_seed, normal
+from torchfn.persample._ghost_norms import GhostModel
 
 __all__ = [
     "ClippedSum",
@@ -320,7 +320,7 @@ class DPTrainStep:
             >>> import torchopt
             >>> from torch import nn
             >>> import torch.nn.functional as F
-            >>> from torchfn.functional import PoissonSampler, RDPAccountant, make_ghost_model
+            >>> from torchfn.persample import PoissonSampler, RDPAccountant, make_ghost_model
             >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 2))
             >>> X, Y = torch.randn(100, 4), torch.randint(0, 2, (100,))
             >>> loss_fn = lambda o, y: F.cross_entropy(o, y, reduction="none")
@@ -382,7 +382,7 @@ def make_dp_train_step(
         >>> import torchopt
         >>> from torch import nn
         >>> import torch.nn.functional as F
-        >>> from torchfn.functional import make_ghost_model
+        >>> from torchfn.persample import make_ghost_model
         >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 2))
         >>> loss_fn = lambda o, y: F.cross_entropy(o, y, reduction="none")
         >>> opt = torchopt.sgd(0.5)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from torchfn.functional._ghost_layers import Prepared, Rule
+from torchfn.persample._ghost_layers import Prepared, Rule
 
 __all__ = ["GhostGrads", "GhostResult"]
 
@@ -59,7 +59,7 @@ class GhostGrads:
         Example::
 
             >>> from torch import nn
-            >>> from torchfn.functional import make_ghost_model
+            >>> from torchfn.persample import make_ghost_model
             >>> ghost, params, buffers = make_ghost_model(nn.Linear(3, 2))
             >>> loss_fn = lambda out, y: ((out - y) ** 2).sum(1)
             >>> res = ghost.per_sample(params, buffers, torch.randn(5, 3), torch.randn(5, 2),

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchfn.functional._ghost_layers import (
+from torchfn.persample._ghost_layers import (
     Calls,
     ConvRule,
     EmbeddingRule,
@@ -34,9 +34,9 @@ from torchfn.functional._ghost_layers import (
     TensorDict,
     input_of,
 )
-from torchfn.functional._ghost_tape import fill_slots, tensors_of
+from torchfn.persample._ghost_tape import fill_slots, tensors_of
 
-__all__: list[str] = []  # private to torchfn.functional._ghost_norms
+__all__: list[str] = []  # private to torchfn.persample._ghost_norms
 
 _RMSNorm = getattr(nn, "RMSNorm", None)
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching"

@@ -22,7 +22,7 @@ Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated alon
   norms of the per-id segment sums after a per-sample sort (``O(B T D)``, no ``T x T`` Gram);
   ``padding_idx`` rows get no gradient.
 - normalisation layers and the vmap fallback instantiate per-sample gradients
-  (:mod:`torchfn.functional._ghost_instantiated`).
+  (:mod:`torchfn.persample._ghost_instantiated`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torchfn.ops import (
     linear_grad_norms_sq,
 )
 
-__all__: list[str] = []  # private: used by torchfn.functional._ghost_norms
+__all__: list[str] = []  # private: used by torchfn.persample._ghost_norms
 
 Calls = Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
 Grads = Sequence[Sequence[Tensor]]

@@ -17,7 +17,7 @@ How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)`
    output gradient ``g``, which for a sum of per-sample losses holds each sample's own
    gradient in its batch row. The probes' shapes come from a no-grad shape pass: cached per
    input signature in eager mode, traced (and dead-code-eliminated) under ``torch.compile``.
-3. :class:`GhostGrads` applies each layer's rule (:mod:`torchfn.functional._ghost_layers`)
+3. :class:`GhostGrads` applies each layer's rule (:mod:`torchfn.persample._ghost_layers`)
    to the recorded ``(x, g)``: squared norms, weighted sums (book-keeping DP-SGD) or the
    materialised per-sample gradients.
 
@@ -38,9 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchfn.functional._ghost_grads import GhostGrads, GhostResult, Layer
-from torchfn.functional._ghost_instantiated import refuse_batchnorm_training, rule_for
-from torchfn.functional._ghost_layers import (
+from torchfn.functional import FunctionalModel, make_functional
+from torchfn.persample._ghost_grads import GhostGrads, GhostResult, Layer
+from torchfn.persample._ghost_instantiated import refuse_batchnorm_training, rule_for
+from torchfn.persample._ghost_layers import (
     CONV_METHODS,
     Calls,
     GhostLayerError,
@@ -48,7 +49,7 @@ from torchfn.functional._ghost_layers import (
     batch_dims_ok,
     local,
 )
-from torchfn.functional._ghost_tape import (
+from torchfn.persample._ghost_tape import (
     Tap,
     Tape,
     fill_slots,
@@ -57,7 +58,6 @@ from torchfn.functional._ghost_tape import (
     tensors_of,
     to_meta_,
 )
-from torchfn.functional._stateless import FunctionalModel, make_functional
 
 __all__ = [
     "GhostGrads",

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchfn.functional._ghost_norms import GhostModel
+from torchfn.persample._ghost_norms import GhostModel
 
 __all__ = [
     "GradStats",
@@ -119,7 +119,7 @@ def grad_stats(
 
         >>> import torch.nn.functional as F
         >>> from torch import nn
-        >>> from torchfn.functional import make_ghost_model
+        >>> from torchfn.persample import make_ghost_model
         >>> ghost, params, buffers = make_ghost_model(nn.Linear(5, 3))
         >>> stats = grad_stats(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"))
         >>> s = stats(params, buffers, torch.randn(64, 5), torch.randint(0, 3, (64,)))

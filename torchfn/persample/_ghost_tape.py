@@ -17,7 +17,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-__all__: list[str] = []  # private to torchfn.functional._ghost_norms
+__all__: list[str] = []  # private to torchfn.persample._ghost_norms
 
 
 class _Slot:

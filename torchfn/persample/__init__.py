@@ -1,0 +1,64 @@
+"""Per-sample gradients at scale: ghost norms, DP-SGD, Poisson sampling, privacy accounting,
+gradient statistics (the per-sample transforms themselves are in :mod:`torchfn.functional`)."""
+
+from torchfn.persample._accountant import DEFAULT_RDP_ORDERS as DEFAULT_RDP_ORDERS
+from torchfn.persample._accountant import RDPAccountant as RDPAccountant
+from torchfn.persample._accountant import compute_rdp as compute_rdp
+from torchfn.persample._accountant import (
+    noise_multiplier_for_epsilon as noise_multiplier_for_epsilon,
+)
+from torchfn.persample._accountant import rdp_to_epsilon as rdp_to_epsilon
+from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
+from torchfn.persample._dpsgd import ClippedSum as ClippedSum
+from torchfn.persample._dpsgd import DPState as DPState
+from torchfn.persample._dpsgd import DPTrainStep as DPTrainStep
+from torchfn.persample._dpsgd import init_dp_state as init_dp_state
+from torchfn.persample._dpsgd import make_dp_train_step as make_dp_train_step
+from torchfn.persample._dpsgd import run_chunks as run_chunks
+from torchfn.persample._ghost_grads import GhostGrads as GhostGrads
+from torchfn.persample._ghost_grads import GhostResult as GhostResult
+from torchfn.persample._ghost_layers import GhostLayerError as GhostLayerError
+from torchfn.persample._ghost_norms import GhostModel as GhostModel
+from torchfn.persample._ghost_norms import check_ghost_coverage as check_ghost_coverage
+from torchfn.persample._ghost_norms import ghost_grad_norms as ghost_grad_norms
+from torchfn.persample._ghost_norms import make_ghost_model as make_ghost_model
+from torchfn.persample._ghost_stats import GradStats as GradStats
+from torchfn.persample._ghost_stats import NoiseScaleState as NoiseScaleState
+from torchfn.persample._ghost_stats import NormHistory as NormHistory
+from torchfn.persample._ghost_stats import grad_stats as grad_stats
+from torchfn.persample._ghost_stats import init_noise_scale as init_noise_scale
+from torchfn.persample._ghost_stats import init_norm_history as init_norm_history
+from torchfn.persample._ghost_stats import two_batch_estimates as two_batch_estimates
+from torchfn.persample._ghost_stats import update_noise_scale as update_noise_scale
+from torchfn.persample._ghost_stats import update_norm_history as update_norm_history
+
+__all__ = [
+    "DEFAULT_RDP_ORDERS",
+    "ClippedSum",
+    "DPState",
+    "DPTrainStep",
+    "GhostGrads",
+    "GhostLayerError",
+    "GhostModel",
+    "GhostResult",
+    "GradStats",
+    "NoiseScaleState",
+    "NormHistory",
+    "PoissonSampler",
+    "RDPAccountant",
+    "check_ghost_coverage",
+    "compute_rdp",
+    "ghost_grad_norms",
+    "grad_stats",
+    "init_dp_state",
+    "init_noise_scale",
+    "init_norm_history",
+    "make_dp_train_step",
+    "make_ghost_model",
+    "noise_multiplier_for_epsilon",
+    "rdp_to_epsilon",
+    "run_chunks",
+    "two_batch_estimates",
+    "update_noise_scale",
+    "update_norm_history",
+]
