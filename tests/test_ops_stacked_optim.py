@@ -1,5 +1,5 @@
 """Op 4 (fused Adam/SGD over stacked parameters): kernels == twins, == N separate torch.optim
-optimizers with different lr and weight decay per member, == torchfn.functional.adam per member,
+optimizers with different lr and weight decay per member, == torchfn.optim.adam per member,
 opcheck, gradcheck/gradgradcheck, jvp, vmap, the transform matrix, compile without recompiles,
 and input errors. CUDA variants skip where no GPU is present."""
 
@@ -19,8 +19,7 @@ from _op_matrix import (
 )
 from _op_matrix import need_device as _need_device
 
-import torchfn.functional as F
-from torchfn import ops
+from torchfn import ops, optim
 from torchfn.ops import _dispatch, reference
 from torchfn.ops import _stacked_optim as so
 from torchfn.ops import _stacked_optim_multi as som
@@ -217,7 +216,7 @@ def test_multi_gradcheck_jvp_and_vmap(kernels, device):
     hyper = (0.8, 0.95, 1e-3, 1e-4, True, False)
 
     def adam(g0, g1, m0, m1, v0, v1, p0, p1, lr, wd):
-        u, m, v = som._adam_multi([g0, g1], [m0, m1], [v0, v1], [p0, p1], count, lr, wd, hyper)
+        u, m, v = som.stacked_adam_update_multi([g0, g1], [m0, m1], [v0, v1], [p0, p1], count, lr, wd, hyper)
         return (*u, *m, *v)
 
     def adam_twin(g0, g1, m0, m1, v0, v1, p0, p1, lr, wd):
@@ -240,7 +239,7 @@ def test_multi_gradcheck_jvp_and_vmap(kernels, device):
             torch.testing.assert_close(x[b], w)
 
     def sgd(g0, g1, b0, b1, p0, p1, lr, wd):
-        u, b = som._sgd_multi([g0, g1], [b0, b1], [p0, p1], count, lr, wd, (0.9, 0.1, False,
+        u, b = som.stacked_sgd_update_multi([g0, g1], [b0, b1], [p0, p1], count, lr, wd, (0.9, 0.1, False,
                                                                           True))
         return (*u, *b)
 
@@ -267,8 +266,8 @@ def test_vmap_over_the_optimizer_update(kernels, device):
     grads = {"w": _rand((b_, n, 6), F64, device, 1), "b": _rand((b_, n), F64, device, 2)}
     params = {"w": _rand((b_, n, 6), F64, device, 3), "b": _rand((b_, n), F64, device, 4)}
     lr = torch.tensor([0.1, 0.01, 0.02, 0.05], dtype=F64, device=device)
-    for opt in (ops.stacked_adam(lr=lr, weight_decay=0.1, decoupled=True),
-                ops.stacked_sgd(lr=lr, momentum=0.9, weight_decay=0.1)):
+    for opt in (optim.stacked_adam(lr=lr, weight_decay=0.1, decoupled=True),
+                optim.stacked_sgd(lr=lr, momentum=0.9, weight_decay=0.1)):
         state0 = opt.init({k: v[0] for k, v in params.items()})
 
         def step(g, p, opt=opt, state0=state0):
@@ -350,17 +349,17 @@ def test_stacked_adam_equals_torch_optim_per_member(kernels, device, kind):
     wd = torch.tensor(WDS, dtype=F64, device=device)
     betas, eps, maximize = (0.9, 0.999), 1e-8, False
     if kind == "adam":
-        opt = ops.stacked_adam(lr=lr)
+        opt = optim.stacked_adam(lr=lr)
         cls, wds = torch.optim.Adam, [0.0] * N_MEMBERS
     elif kind == "adam-l2-maximize":
-        opt = ops.stacked_adam(lr=lr, weight_decay=wd, maximize=True)
+        opt = optim.stacked_adam(lr=lr, weight_decay=wd, maximize=True)
         cls, wds, maximize = torch.optim.Adam, WDS, True
     elif kind == "adamw":
-        opt = ops.stacked_adam(lr=lr, weight_decay=wd, decoupled=True)
+        opt = optim.stacked_adam(lr=lr, weight_decay=wd, decoupled=True)
         cls, wds = torch.optim.AdamW, WDS
     else:
         betas, eps = (0.5, 0.9), 1e-3
-        opt = ops.stacked_adam(lr=0.02, betas=betas, eps=eps, weight_decay=0.05)
+        opt = optim.stacked_adam(lr=0.02, betas=betas, eps=eps, weight_decay=0.05)
         cls, wds = torch.optim.Adam, [0.05] * N_MEMBERS
         lr = torch.full((N_MEMBERS,), 0.02, dtype=F64)
 
@@ -389,7 +388,7 @@ def test_stacked_sgd_equals_torch_optim_per_member(kernels, device, kind):
         "nesterov-maximize": {"momentum": 0.9, "nesterov": True, "maximize": True,
                               "weight_decay": wd},
     }[kind]
-    opt = ops.stacked_sgd(lr=lr, **cfg)
+    opt = optim.stacked_sgd(lr=lr, **cfg)
     got = _run_stacked(opt, params, member_loss, steps=5)
 
     def make(ps, i):
@@ -406,11 +405,11 @@ def test_stacked_sgd_equals_torch_optim_per_member(kernels, device, kind):
 def test_stacked_adam_equals_functional_adam_per_member(kernels, decoupled):
     params, member_loss = _members_problem(3, "cpu", seed=2)
     lrs, wds = [0.02, 0.005, 0.04], [0.3, 0.0, 0.1]
-    opt = ops.stacked_adam(lr=torch.tensor(lrs, dtype=F64), weight_decay=torch.tensor(wds,
+    opt = optim.stacked_adam(lr=torch.tensor(lrs, dtype=F64), weight_decay=torch.tensor(wds,
                            dtype=F64), decoupled=decoupled, eps_root=1e-10)
     got = _run_stacked(opt, params, member_loss, steps=4)
     for i in range(3):
-        make = F.adamw if decoupled else F.adam
+        make = optim.adamw if decoupled else optim.adam
         single = make(lr=lrs[i], weight_decay=wds[i], eps_root=1e-10)
         p = {"w": params["w"][i], "b": params["b"][i]}
         state = single.init(p)
@@ -427,11 +426,11 @@ def test_stacked_adam_equals_functional_adam_per_member(kernels, decoupled):
 def test_lr_schedule_and_none_grads(kernels):
     params, member_loss = _members_problem(2, "cpu", seed=3)
     schedule = torchopt.schedule.linear_schedule(0.05, 0.01, transition_steps=3)
-    opt = ops.stacked_adam(lr=schedule)
+    opt = optim.stacked_adam(lr=schedule)
     got = _run_stacked(opt, params, member_loss, steps=3)
     want = {"w": [], "b": []}
     for i in range(2):
-        single = F.adam(lr=schedule)
+        single = optim.adam(lr=schedule)
         p = {"w": params["w"][i], "b": params["b"][i]}
         state = single.init(p)
         for _ in range(3):
@@ -453,17 +452,17 @@ def test_lr_schedule_and_none_grads(kernels):
 
 def test_low_precision_params_keep_float32_moments(kernels):
     params = {"w": torch.randn(3, 8, dtype=torch.bfloat16)}
-    opt = ops.stacked_adam(lr=torch.tensor([0.1, 0.01, 0.001]))
+    opt = optim.stacked_adam(lr=torch.tensor([0.1, 0.01, 0.001]))
     state = opt.init(params)
     assert state.mu["w"].dtype == torch.float32 and state.nu["w"].dtype == torch.float32
     grads = {"w": torch.randn(3, 8, dtype=torch.bfloat16)}
     updates, state = opt.update(grads, state, params=params)
     assert updates["w"].dtype == torch.bfloat16 and state.mu["w"].dtype == torch.float32
     # the same step in float32 from the bf16 values, rounded once
-    ref = ops.stacked_adam(lr=torch.tensor([0.1, 0.01, 0.001]))
+    ref = optim.stacked_adam(lr=torch.tensor([0.1, 0.01, 0.001]))
     u32, _ = ref.update({"w": grads["w"].float()}, ref.init({"w": params["w"].float()}))
     torch.testing.assert_close(updates["w"], u32["w"].to(torch.bfloat16))
-    state16 = ops.stacked_adam(moment_dtype=torch.bfloat16).init(params)
+    state16 = optim.stacked_adam(moment_dtype=torch.bfloat16).init(params)
     assert state16.mu["w"].dtype == torch.bfloat16
 
 
@@ -657,12 +656,12 @@ def test_vmap_over_an_outer_axis(kernels, device):
 
 
 def test_meta_gradient_wrt_per_member_lr_equals_per_member_loop(kernels):
-    """d(loss after 2 inner Adam steps)/d lr[n] == the same through torchfn.functional.adam."""
+    """d(loss after 2 inner Adam steps)/d lr[n] == the same through torchfn.optim.adam."""
     params, member_loss = _members_problem(3, "cpu", seed=4)
     lr0 = torch.tensor([0.05, 0.01, 0.02], dtype=F64)
 
     def inner(params, lr, wd):
-        opt = ops.stacked_adam(lr=lr, weight_decay=wd, decoupled=True, eps_root=1e-12)
+        opt = optim.stacked_adam(lr=lr, weight_decay=wd, decoupled=True, eps_root=1e-12)
         state = opt.init(params)
         for _ in range(2):
             grads = torch.func.grad(
@@ -675,7 +674,7 @@ def test_meta_gradient_wrt_per_member_lr_equals_per_member_loop(kernels):
     got_lr, got_wd = torch.func.grad(inner, argnums=(1, 2))(params, lr0, wd0)
 
     def member(i, lr, wd):
-        opt = F.adamw(lr=lr, weight_decay=0.0, eps_root=1e-12)
+        opt = optim.adamw(lr=lr, weight_decay=0.0, eps_root=1e-12)
         p = {"w": params["w"][i], "b": params["b"][i]}
         state = opt.init(p)
         for _ in range(2):
@@ -767,7 +766,7 @@ def _adam_multi_fn(how):
                     for g, m, v, p in zip(grads, mus, nus, params, strict=True)]
             u, m, v = ([o[j] for o in outs] for j in range(3))
         elif how == "op":
-            u, m, v = som._adam_multi(grads, mus, nus, params, count, lr, wd, _MULTI_HYPER)
+            u, m, v = som.stacked_adam_update_multi(grads, mus, nus, params, count, lr, wd, _MULTI_HYPER)
         else:
             out = som._StackedAdamMultiFn.apply(2, True, *grads, *mus, *nus, *params, count, lr,
                                                wd, *_MULTI_HYPER)
@@ -823,8 +822,8 @@ def test_compiled_steps_equal_eager_without_recompiles(kernels, which):
     params, member_loss = _members_problem(N_MEMBERS, "cpu", seed=5)
     lr = torch.tensor(LRS, dtype=F64)
     wd = torch.tensor(WDS, dtype=F64)
-    opt = (ops.stacked_adam(lr=lr, weight_decay=wd, decoupled=True) if which == "adamw"
-           else ops.stacked_sgd(lr=lr, momentum=0.9, dampening=0.1, weight_decay=0.01))
+    opt = (optim.stacked_adam(lr=lr, weight_decay=wd, decoupled=True) if which == "adamw"
+           else optim.stacked_sgd(lr=lr, momentum=0.9, dampening=0.1, weight_decay=0.01))
 
     def step(params, state):
         grads = torch.func.grad(
@@ -872,12 +871,12 @@ def test_lr_shape_error_names_n_and_the_shape():
     with pytest.raises(ValueError, match=r"weight_decay=...\).*\(N,\) = \(4,\).*got shape "
                                          r"\(4, 1\)"):
         ops.stacked_sgd_update(g, None, 1, 0.1, param=g, weight_decay=torch.ones(4, 1))
-    opt = ops.stacked_adam(lr=torch.ones(3))
+    opt = optim.stacked_adam(lr=torch.ones(3))
     with pytest.raises(ValueError, match=r"stacked_adam\(lr=...\).*\(N,\) = \(4,\).*got shape "
                                          r"\(3,\)"):
         opt.init({"w": g})
     with pytest.raises(ValueError, match=r"stacked_sgd\(lr=...\).*got shape \(2, 2\)"):
-        ops.stacked_sgd(lr=torch.ones(2, 2))
+        optim.stacked_sgd(lr=torch.ones(2, 2))
 
 
 def test_leaves_with_different_n_are_refused():
@@ -885,13 +884,13 @@ def test_leaves_with_different_n_are_refused():
     with pytest.raises(ValueError, match=r"stacked_adam.init\(params\): every leaf of params "
                                          r"must stack the same number of members N.*N=5 for "
                                          r"'b' and N=4 for 'w'"):
-        ops.stacked_adam().init(params)
-    opt = ops.stacked_sgd(lr=0.1)
+        optim.stacked_adam().init(params)
+    opt = optim.stacked_sgd(lr=0.1)
     state = opt.init({"w": torch.zeros(4, 3), "b": torch.zeros(4)})
     with pytest.raises(ValueError, match=r"stacked_sgd.update.*N=3 for 'b' and N=4 for 'w'"):
         opt.update({"w": torch.zeros(4, 3), "b": torch.zeros(3)}, state)
     with pytest.raises(ValueError, match=r"leaf 'b' of params is 0-d"):
-        ops.stacked_adam().init({"w": torch.zeros(4, 3), "b": torch.zeros(())})
+        optim.stacked_adam().init({"w": torch.zeros(4, 3), "b": torch.zeros(())})
 
 
 def test_dtype_and_device_mismatches_are_refused():
@@ -923,7 +922,7 @@ def test_dtype_and_device_mismatches_are_refused():
         ops.stacked_sgd_update(torch.zeros(()), None, 1, 0.1)
     with pytest.raises(TypeError, match=r"moment_dtype=torch.float32\): expected None, the "
                                         r"parameter dtype torch.float64"):
-        ops.stacked_adam(moment_dtype=torch.float32).init({"w": g.double()})
+        optim.stacked_adam(moment_dtype=torch.float32).init({"w": g.double()})
 
 
 def test_bad_hyperparameters_are_refused():
@@ -931,18 +930,18 @@ def test_bad_hyperparameters_are_refused():
     with pytest.raises(ValueError, match=r"weight_decay=...\): weight decay needs the "
                                          "parameters; pass param="):
         ops.stacked_adam_update(g, g, g, 1, 0.1, weight_decay=0.1)
-    opt = ops.stacked_adam(weight_decay=0.1)
+    opt = optim.stacked_adam(weight_decay=0.1)
     with pytest.raises(ValueError, match=r"stacked_adam.update.*weight decay needs the "
                                          r"parameters; call update\(grads, state, "
                                          r"params=params\)"):
         opt.update({"w": g}, opt.init({"w": g}))
     with pytest.raises(ValueError, match=r"stacked_sgd\(nesterov=True\): Nesterov momentum "
                                          "requires momentum > 0 and dampening == 0"):
-        ops.stacked_sgd(lr=0.1, nesterov=True)
+        optim.stacked_sgd(lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match=r"stacked_adam\(betas=...\)"):
-        ops.stacked_adam(betas=(0.9, 1.0))
+        optim.stacked_adam(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match=r"stacked_sgd\(lr=...\): expected a float >= 0"):
-        ops.stacked_sgd(lr=-1.0)
+        optim.stacked_sgd(lr=-1.0)
 
 
 def test_raw_kernels_check_their_arguments(kernels):
