@@ -1,14 +1,18 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
 # Both create .venv and install torchfn with everything pyproject.toml names.
-# TORCH picks the torch build installed first (any torch >= 2.5 works);
-# override it, e.g. `make test TORCH=torch==2.11.0`, to use another one.
+# TORCH picks the torch build installed first (torch >= 2.11, the floor in pyproject.toml);
+# override it, e.g. `make test TORCH=torch==2.12.0`, to use another one.
+# `make test-floor` runs the suite on the floor version (its own venv, .venv-floor).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint doctor clean
+FLOOR_TORCH ?= torch==2.11.0
+FLOOR_VENV := .venv-floor
+
+.PHONY: demo test test-all test-floor lint doctor clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +29,9 @@ test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
 	$(PY) -m pytest --doctest-modules torchfn -q -p no:cacheprovider
 
+test-floor:
+	$(MAKE) test VENV=$(FLOOR_VENV) TORCH=$(FLOOR_TORCH)
+
 test-all: $(STAMP)
 	$(PY) -m pytest -q
 
@@ -35,4 +42,4 @@ doctor: $(STAMP)
 	$(VENV)/bin/torchfn doctor
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

@@ -167,7 +167,7 @@ class TorchfnStep:
         x, y = batch_for(n, sizes, batch, device)
         build_s = None
         if self.mode.startswith("graphed"):
-            # torchfn.functional.make_graphed_step: compiled, captured as one CUDA graph, the
+            # torchfn.compile.make_graphed_step: compiled, captured as one CUDA graph, the
             # state donated (updated in place); construction compiles and captures
             t0 = time.perf_counter()
             # "-cdt": Inductor's coordinate-descent tuning of its kernels' launch configs

@@ -20,12 +20,12 @@ the four of the issue, torchfn compiled as the README recommends for conv nets; 
   ``atcg`` (``max-autotune``), ``cl`` (force Inductor's channels-last layout optimization, which
   it skips by itself for grouped convolutions, i.e. vmapped per-task conv weights),
   ``bench`` (``torch.backends.cudnn.benchmark=True`` for that variant), ``fix`` (install
-  ``torchfn.meta.inductor_options(channels_last=False)``: the post-grad pass that turns the
+  ``torchfn.compile.inductor_options(channels_last=False)``: the post-grad pass that turns the
   per-task loop of weight-gradient convolutions in ATen's conv double backward into one grouped
   ``convolution_backward``), ``gcl`` (with ``fix``: ``inductor_options(channels_last=True)``,
   grouped convolutions with >= 16 channels per group in channels-last; the library default
   ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``unfold`` (the model through
-  ``torchfn.meta.unfold_convs``: layers 2-4 as unfold + matmul, batched GEMMs over the tasks
+  ``torchfn.compile.unfold_convs``: layers 2-4 as unfold + matmul, batched GEMMs over the tasks
   instead of grouped cuDNN convolutions), ``unfoldall`` (all four layers, the 1-channel first
   one too: no convolution left), ``chunkN`` (tasks in chunks of N). E.g.
   ``compiled-cg-fix-bench``, ``compiled-fix-unfold``. ``eager-chunkN``/``eager-bench``/

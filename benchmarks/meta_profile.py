@@ -1,7 +1,7 @@
 """Where the compiled MAML step's time goes: compile phases, cuDNN precision, conv shapes.
 
 Compiles the outer step of ``benchmarks/meta.py`` (same net, tasks and config) ONCE with
-``torchfn.meta.inductor_options(channels_last=...)``, then, without recompiling (the cuDNN
+``torchfn.compile.inductor_options(channels_last=...)``, then, without recompiling (the cuDNN
 switches are read at call time):
 
 1. prints the first call's time and Dynamo/Inductor's compile-phase breakdown

@@ -9,7 +9,7 @@ Two parts:
    write update, mu, nu; SGD with momentum and decay: read grad, buffer, param; write update,
    buffer) and is reported as a % of a device-to-device copy measured in the same run.
 2. ``ensemble``: a whole optimizer step of 32 MLPs 784-256-256-10 stacked (6 leaves):
-   ``torchfn.ops.stacked_adam(...).update`` eager (one multi-leaf kernel launch) and compiled
+   ``torchfn.optim.stacked_adam(...).update`` eager (one multi-leaf kernel launch) and compiled
    (the twin through Inductor), the twin eager, the raw kernels alone (per leaf, and the
    multi-leaf op), ``stacked_sgd`` with momentum, and
    ``torch.optim.Adam(foreach/fused)`` over the 6 stacked tensors (a single lr: a speed

@@ -24,10 +24,15 @@ from torchfn.ensembles._train import (
     make_ensemble_train_step,
     member_batches,
     member_orders,
-    per_member_optimizer,
 )
 from torchfn.functional import step_rng
-from torchfn.optim import per_member_adam, per_member_sgd, stacked_adam, stacked_sgd
+from torchfn.optim import (
+    per_member_adam,
+    per_member_optimizer,
+    per_member_sgd,
+    stacked_adam,
+    stacked_sgd,
+)
 
 N, B, D, H, C = 3, 6, 5, 7, 4
 F64 = torch.float64

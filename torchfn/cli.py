@@ -53,7 +53,7 @@ def doctor_report(build_ops: bool = True) -> list[tuple[str, str]]:
     rows.append(("torch CUDA build", str(torch.version.cuda) if torch.version.cuda else "none (CPU build)"))
     rows.append(("cpu threads", str(torch.get_num_threads())))
     # the float32 precision switches change both speed and numbers (torch's defaults: matmul
-    # off, cuDNN on); torchfn.meta.inductor_options() picks conv layouts by the cuDNN one
+    # off, cuDNN on); torchfn.compile.inductor_options() picks conv layouts by the cuDNN one
     rows.append(("TF32", f"matmul {torch.backends.cuda.matmul.allow_tf32}, "
                          f"cuDNN {torch.backends.cudnn.allow_tf32}"))
     if torch.cuda.is_available():

@@ -21,7 +21,7 @@ kernel has no TF32 path -- eager, which uses it, was no faster with TF32). In fl
 off the rewritten step got slower (131-142 ms): the profile shows cuDNN converting layouts
 inside its fp32 grouped kernels (~10,000 small conversion kernels, ~23 ms a step) and the
 support-set (5-image) convolutions and the weight gradients slower than in NCHW -- so
-``torchfn.meta.inductor_options()`` applies it only where :func:`channels_last_pays` (float32
+``torchfn.compile.inductor_options()`` applies it only where :func:`channels_last_pays` (float32
 on CUDA with cuDNN TF32 allowed, torch's default).
 """
 

@@ -201,9 +201,9 @@ class GroupedConvDoubleBackwardPass(CustomGraphPass):
     """Inductor post-grad pass running :func:`fuse_grouped_conv_double_backward`.
 
     With ``channels_last=True`` it then runs
-    :func:`torchfn.meta.channels_last_grouped_convs` (grouped convolutions with at least
+    :func:`channels_last_grouped_convs` (grouped convolutions with at least
     ``min_group_channels`` input channels per group in channels-last); with ``"auto"`` only
-    where :func:`torchfn.meta.channels_last_pays` when the graph is compiled.
+    where :func:`channels_last_pays` when the graph is compiled.
     """
 
     def __init__(self, channels_last: bool | Literal["auto"] = "auto",
@@ -234,8 +234,8 @@ def inductor_options(channels_last: bool | Literal["auto"] = "auto") -> dict[str
     """Return ``torch.compile`` ``options`` that install :class:`GroupedConvDoubleBackwardPass`.
 
     ``channels_last`` picks the layout of the grouped convolutions of vmapped per-task conv
-    weights (see :func:`torchfn.meta.channels_last_grouped_convs`): ``"auto"`` (default)
-    channels-last exactly where :func:`torchfn.meta.channels_last_pays` -- float32 on CUDA with
+    weights (see :func:`channels_last_grouped_convs`): ``"auto"`` (default)
+    channels-last exactly where :func:`channels_last_pays` -- float32 on CUDA with
     ``torch.backends.cudnn.allow_tf32`` on (torch's default), read at compile time -- ``True``
     everywhere, ``False`` never. Measured end to end on an H100 (the MAML benchmark,
     ``benchmarks/meta_profile.py``): with cuDNN TF32 on the rewritten step takes **49 ms**

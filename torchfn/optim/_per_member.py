@@ -1,6 +1,6 @@
 """SGD (momentum, Nesterov) and Adam/AdamW over stacked members with EVERY hyperparameter per member.
 
-:func:`torchfn.ops.stacked_sgd` / :func:`torchfn.ops.stacked_adam` are fused kernels whose lr
+:func:`torchfn.optim.stacked_sgd` / :func:`torchfn.optim.stacked_adam` are fused kernels whose lr
 and weight decay may differ per member but whose momentum, dampening, betas and eps are shared
 floats. :func:`per_member_sgd` / :func:`per_member_adam` take any of those as ``(N,)`` tensors
 too: when only lr / weight decay vary they return the fused transformation (``fused="auto"``),
@@ -138,9 +138,9 @@ def per_member_sgd(
     buffer = the gradient on the first step). ``lr``, ``momentum``, ``dampening`` and
     ``weight_decay`` are floats (shared), 0-d or ``(N,)`` floating tensors on the params' device
     (``lr`` may also be a schedule of the 0-d count). With ``fused="auto"`` and float
-    ``momentum``/``dampening`` this IS :func:`torchfn.ops.stacked_sgd` (one fused kernel);
+    ``momentum``/``dampening`` this IS :func:`torchfn.optim.stacked_sgd` (one fused kernel);
     otherwise pure PyTorch ops (compile-friendly, no host syncs). State:
-    :class:`torchfn.ops.StackedSgdState`. Use out-of-place, as any torchfn optimizer.
+    :class:`torchfn.optim.StackedSgdState`. Use out-of-place, as any torchfn optimizer.
 
     Example:
         >>> import torch
@@ -153,7 +153,7 @@ def per_member_sgd(
         >>> updates["w"][:, 0]  # second step: buffer = momentum * g + g
         tensor([-0.1000, -0.1900])
     """
-    fn = "torchfn.ensembles.per_member_sgd"
+    fn = "torchfn.optim.per_member_sgd"
     if not callable(lr):
         _check_value(fn, "lr", lr, 0.0, None)
     _check_value(fn, "momentum", momentum, 0.0, None)
@@ -233,8 +233,8 @@ def per_member_adam(
     weight_decay=weight_decay[n])`` (``decoupled=True``: ``torch.optim.AdamW``). Every value is
     a float (shared), a 0-d or an ``(N,)`` floating tensor on the params' device (``lr`` may be
     a schedule of the 0-d count). With ``fused="auto"`` and float ``betas``/``eps`` this IS
-    :func:`torchfn.ops.stacked_adam` (one fused kernel); otherwise pure PyTorch ops. State:
-    :class:`torchfn.ops.StackedAdamState` (``mu``, ``nu`` like the params, the 0-d ``count``).
+    :func:`torchfn.optim.stacked_adam` (one fused kernel); otherwise pure PyTorch ops. State:
+    :class:`torchfn.optim.StackedAdamState` (``mu``, ``nu`` like the params, the 0-d ``count``).
 
     Example:
         >>> import torch
@@ -245,7 +245,7 @@ def per_member_adam(
         >>> updates["w"][:, 0]  # the first Adam step has magnitude lr
         tensor([-0.1000, -0.1000])
     """
-    fn = "torchfn.ensembles.per_member_adam"
+    fn = "torchfn.optim.per_member_adam"
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{fn}(betas=...): expected a pair (beta1, beta2), got {betas!r}")
     b1, b2 = betas
@@ -379,7 +379,7 @@ def per_member_optimizer(
                     f"{where}: make_optimizer(...) builds a transformation that keeps state in "
                     "Python between updates (torchopt's momentum/trace does: a first-call "
                     "flag), so rebuilding it per update would be silently wrong. Use "
-                    "torchfn.ensembles.per_member_sgd(lr, momentum=..., nesterov=...) or "
+                    "torchfn.optim.per_member_sgd(lr, momentum=..., nesterov=...) or "
                     "per_member_adam(lr, betas=...), whose hyperparameters may all be (N,) "
                     "tensors")
 

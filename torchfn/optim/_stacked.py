@@ -205,7 +205,7 @@ def stacked_adam(
         >>> torchopt.apply_updates(params, updates, inplace=False)["w"][:, 0]
         tensor([-0.1000, -0.2000, -0.3000])
     """
-    fn = "torchfn.ops.stacked_adam"
+    fn = "torchfn.optim.stacked_adam"
     if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ValueError(f"{fn}(betas=...): expected a pair of floats in [0, 1), got {betas!r}")
     if not eps >= 0.0 or not eps_root >= 0.0:
@@ -290,7 +290,7 @@ def stacked_sgd(
         >>> updates["w"][:, 0]
         tensor([-0.1000, -1.0000])
     """
-    fn = "torchfn.ops.stacked_sgd"
+    fn = "torchfn.optim.stacked_sgd"
     _check_member_hparam(fn, "lr", lr, None)
     _check_member_hparam(fn, "weight_decay", weight_decay, None)
     if not momentum >= 0.0:

@@ -7,7 +7,7 @@ One logical step of DP-SGD (Abadi et al. 2016, "Deep Learning with Differential 
     g~   = (g + N(0, sigma^2 C^2 I)) / (q N)   noise, then divide by the EXPECTED batch size
     theta <- optimizer(theta, g~)
 
-is the sampled Gaussian mechanism that :class:`torchfn.functional.RDPAccountant` analyses
+is the sampled Gaussian mechanism that :class:`torchfn.persample.RDPAccountant` analyses
 (``noise_multiplier = sigma``, ``sample_rate = q``), provided the implementation matches it:
 
 - **Sampling** (:class:`PoissonSampler`): every step draws the Bernoulli(q) mask over the
@@ -176,7 +176,7 @@ class DPTrainStep:
     """
 
     #: Inductor options every compiled form of this step needs (see :meth:`compile`);
-    #: :func:`torchfn.functional.make_graphed_step` applies them too.
+    #: :func:`torchfn.compile.make_graphed_step` applies them too.
     inductor_options: ClassVar[Mapping[str, Any]] = MappingProxyType({"allow_buffer_reuse": False})
 
     def __init__(self, ghost: GhostModel, loss_fn: LossFn, optimizer: GradientTransformation,

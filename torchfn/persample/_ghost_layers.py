@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from torchfn.ops import (
@@ -159,10 +160,10 @@ class _LinearLike(Prepared):
         if self.groups == 1:
             return linear_grad_norms_sq(self.a, self.g, bias=self.bias)
         a, g = self._grouped()
-        b, t, n = a.shape[:3]
-        a_f = a.transpose(1, 2).reshape(b * n, t, a.shape[-1])
-        g_f = g.transpose(1, 2).reshape(b * n, t, g.shape[-1])
-        out = linear_grad_norms_sq(a_f, g_f).view(b, n).sum(1)
+        b = a.shape[0]
+        a_f = rearrange(a, "b t n k -> (b n) t k")
+        g_f = rearrange(g, "b t n o -> (b n) t o")
+        out = rearrange(linear_grad_norms_sq(a_f, g_f), "(b n) -> b n", b=b).sum(1)
         return out + linear_bias_grad_norms_sq(self.g) if self.bias else out
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
@@ -399,9 +400,9 @@ class ConvRule(Rule):
                      for (x, _), (g,) in zip(shaped, grads, strict=True)]
             return _ConvGrouped(pairs, geometry, module.groups, weight.shape, "bias" in params)
         s, pad, d, k = geometry
-        patches = [F.unfold(x, k, dilation=d, padding=pad, stride=s).transpose(1, 2)
+        patches = [rearrange(F.unfold(x, k, dilation=d, padding=pad, stride=s), "b ck l -> b l ck")
                    for x, _ in shaped]  # (B, L, C*prod(k)) per call
-        gs = [g.to(weight.dtype).flatten(2).transpose(1, 2) for (g,) in grads]
+        gs = [rearrange(g.to(weight.dtype), "b c ... -> b (...) c") for (g,) in grads]
         a = torch.cat(patches, 1) if len(patches) > 1 else patches[0]
         g = torch.cat(gs, 1) if len(gs) > 1 else gs[0]
         return _LinearLike(a, g, module.groups, weight.shape, "bias" in params)
