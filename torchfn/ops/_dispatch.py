@@ -131,6 +131,14 @@ def functorch_stack() -> tuple:
 
     torch has no public API for this; the private one is guarded, and a torch without it
     reports no transforms (the ops' own vmap/jvp rules still apply).
+
+    Example:
+        >>> import torch
+        >>> from torchfn.ops import functorch_stack
+        >>> functorch_stack()
+        ()
+        >>> torch.func.vmap(lambda x: x * len(functorch_stack()))(torch.ones(2))
+        tensor([1., 1.])
     """
     if not torch._C._are_functorch_transforms_active():
         return ()

@@ -197,7 +197,18 @@ def stacked_adam_update_multi(
     """Return ``(updates, new_mus, new_nus)`` of one Adam step of leaves sharing N, dtype and
     device; ``count``, ``lr`` and ``weight_decay`` are already checked tensors (compute dtype).
     ``params`` is needed only with weight decay. ``hyper``: (beta1, beta2, eps, eps_root,
-    decoupled, maximize)."""
+    decoupled, maximize).
+
+    Example:
+        >>> import torch
+        >>> from torchfn.ops import stacked_adam_update_multi
+        >>> g, m, v = [torch.ones(2, 3)], [torch.zeros(2, 3)], [torch.zeros(2, 3)]
+        >>> u, m, v = stacked_adam_update_multi(g, m, v, None, torch.tensor(1),
+        ...                                     torch.tensor([0.1, 0.2]), None,
+        ...                                     (0.9, 0.999, 1e-8, 0.0, False, False))
+        >>> u[0][:, 0]
+        tensor([-0.1000, -0.2000])
+    """
     ps = params if weight_decay is not None else None
     if not use_stacked_kernel("stacked_adam_update", grads[0]):
         outs = [reference.stacked_adam_update(g, m, v, None if ps is None else ps[i], count, lr,
@@ -224,7 +235,17 @@ def stacked_sgd_update_multi(
     hyper: tuple[float, float, bool, bool],
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """Return ``(updates, new_buffers or None)`` of one SGD step of leaves sharing N, dtype and
-    device (see :func:`stacked_adam_update_multi`). ``hyper``: (momentum, dampening, nesterov, maximize)."""
+    device (see :func:`stacked_adam_update_multi`). ``hyper``: (momentum, dampening, nesterov, maximize).
+
+    Example:
+        >>> import torch
+        >>> from torchfn.ops import stacked_sgd_update_multi
+        >>> u, b = stacked_sgd_update_multi([torch.ones(2, 3)], [torch.zeros(2, 3)], None,
+        ...                                 torch.tensor(1), torch.tensor([0.1, 0.2]), None,
+        ...                                 (0.9, 0.0, False, False))
+        >>> u[0][:, 0]
+        tensor([-0.1000, -0.2000])
+    """
     ps = params if weight_decay is not None else None
     if not use_stacked_kernel("stacked_sgd_update", grads[0]):
         outs = [reference.stacked_sgd_update(g, None if bufs is None else bufs[i],
