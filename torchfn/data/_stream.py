@@ -66,7 +66,11 @@ class StreamingDataset(IterableDataset):
     ``StatefulDataLoader`` (whose ``state_dict`` restores the same worker count; for a new
     worker count use ``state_from_stateful_loader``). ``load_state_dict`` makes the *next*
     iteration start after ``consumed`` items; later iterations start at 0. ``set_epoch`` with a
-    new epoch drops a pending resume; with the loaded epoch it keeps it.
+    new epoch drops a pending resume; with the loaded epoch it keeps it. A state saved at the end
+    of an epoch resumes with the (empty) rest of that epoch, so a loop that calls
+    ``set_epoch(e)`` for every ``e`` from ``state["epoch"]`` on (or from ``state["epoch"] + 1``)
+    yields exactly what an uninterrupted run yields; a worker whose share of the rest is empty
+    (fewer batches left than workers) yields nothing.
 
     Args:
         root: a directory written by ``ShardWriter``.
@@ -379,6 +383,8 @@ class StreamingDataset(IterableDataset):
             start, first_chunk = wres["base"], wres["next_chunk"]
         self._progress = (self.epoch, start, 0)
         p = self._plan(nw, wid, start)
+        if not len(p.ids):  # nothing left for this worker: the epoch's rest is empty or short
+            return
         chunk = p.positions // self.batch_size
         bounds = np.flatnonzero(np.diff(chunk)) + 1
         edges = [0, *bounds.tolist(), len(chunk)]
