@@ -20,6 +20,7 @@ from ._shards import (
     CorruptShardError,
     ShardReader,
     VerifyReport,
+    _manifest_mismatch,
     read_manifest,
     verify_shards,
 )
@@ -240,7 +241,12 @@ class StreamingDataset(IterableDataset):
     def _reader(self, shard: int) -> ShardReader:
         r = self._readers.get(shard)
         if r is None:
-            r = self._readers[shard] = ShardReader(self.files[shard])
+            r = ShardReader(self.files[shard])
+            a, b = int(self._starts[shard]), int(self._starts[shard + 1])
+            reason = _manifest_mismatch(r, b - a, self.labels[a:b].tolist())
+            if reason is not None:
+                raise CorruptShardError(r.path, None, reason)
+            self._readers[shard] = r
         return r
 
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -273,7 +279,7 @@ class StreamingDataset(IterableDataset):
             try:
                 r = self._reader(s)
             except CorruptShardError as e:
-                err = CorruptShardError(e.path, i, f"header unreadable ({e.reason})")
+                err = CorruptShardError(e.path, i, f"shard header rejected ({e.reason})")
             else:
                 if not self.verify_reads and i not in r.bad:
                     continue
