@@ -148,6 +148,59 @@ def test_killed_process_mid_write_keeps_previous_checkpoint(tmp_path):
     assert os.path.getsize(tmp_path / litter[0]) > 4096
     loaded, _ = load_checkpoint(path)  # the half-written file is never read
     assert_states_equal(loaded, first)
+    # regression: the next save of the target removes the killed save's temporary file
+    save_checkpoint(path, first)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, check=True, timeout=60)
+    return int(proc.stdout)
+
+
+def _litter(directory, names, age_s=0.0):
+    for name in names:
+        (directory / name).write_bytes(b"PK\x03\x04" + b"\x00" * 64)
+        if age_s:
+            t = os.stat(directory / name).st_mtime - age_s
+            os.utime(directory / name, (t, t))
+
+
+def test_save_removes_only_stale_temporary_files_of_its_own_target(tmp_path):
+    """Regression: temporary files of killed saves piled up forever. A save removes those of its
+    own target: this host's files of dead processes, and any not modified for an hour."""
+    _, params, buffers = dropout_model()
+    state = init_train_state(params, buffers, adam(), seed=1)
+    host, dead, live = ckpt_mod._host(), _dead_pid(), os.getpid()
+    stale = [
+        f".ckpt.pt.{dead}@{host}.0123abcd.tmp",  # killed save on this host
+        f".ckpt.pt.{dead}@{host}.ffff0000.tmp",
+    ]
+    stale_old = [
+        f".ckpt.pt.{dead}@other-host.0123abcd.tmp",  # another host, untouched for 2 hours
+        f".ckpt.pt.{live}@{host}.0123abcd.tmp",  # a live pid (reused?), untouched for 2 hours
+        ".ckpt.pt.k3_x9abq.tmp",  # tempfile.mkstemp's name (older torchfn), 2 hours old
+    ]
+    kept = [
+        f".ckpt.pt.{live}@{host}.abcdef01.tmp",  # a save of this process running right now
+        f".ckpt.pt.{dead}@other-host.abcdef01.tmp",  # another host: maybe a live save there
+        ".ckpt.pt.k3_x9abz.tmp",  # recent, of unknown origin
+        "ckpt.pt.bak", ".ckpt.pt.tmp", "notes.txt",  # not temporary files of a save
+    ]
+    kept_old = [  # temporary files of other targets, however old or dead
+        f".ckpt.pt.1.{dead}@{host}.0123abcd.tmp",  # of target "ckpt.pt.1"
+        ".ckpt.pt.1.k3_x9abq.tmp",
+        f".other.pt.{dead}@{host}.0123abcd.tmp",
+        f".ckpt.{dead}@{host}.0123abcd.tmp",  # of target "ckpt"
+    ]
+    _litter(tmp_path, stale + kept)
+    _litter(tmp_path, stale_old + kept_old, age_s=2 * 3600)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, state)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", *kept, *kept_old])
+    loaded, _ = load_checkpoint(path)
+    assert_states_equal(loaded, state)
 
 
 def _train(step, state, start, stop):

@@ -455,3 +455,16 @@ def test_save_load_roundtrip_resumes_identically(tmp_path) -> None:
         torch.testing.assert_close(b.params[k], a.params[k], rtol=0, atol=0)
     with pytest.raises(ValueError, match="holds 3 members"):
         load_ensemble(path, optimizer=opt, n_members=4)
+
+
+def test_save_ensemble_removes_temporary_files_of_killed_saves(tmp_path) -> None:
+    """Regression: temporary files of killed saves were never removed."""
+    state = init_ensemble_state(Ensemble.from_seeds(mlp, seeds=range(N)), stacked_adam(lr=LR),
+                                seed=0)
+    for name in (".ens.pt.a1b2c3d4.tmp", f".ens.pt.{os.getpid()}@h.0123abcd.tmp",
+                 ".other.pt.a1b2c3d4.tmp"):  # the last one belongs to another target
+        (tmp_path / name).write_bytes(b"\x00" * 64)
+        old = os.stat(tmp_path / name).st_mtime - 2 * 3600  # untouched for two hours
+        os.utime(tmp_path / name, (old, old))
+    save_ensemble(tmp_path / "ens.pt", state)
+    assert sorted(os.listdir(tmp_path)) == [".other.pt.a1b2c3d4.tmp", "ens.pt"]

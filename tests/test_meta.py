@@ -267,3 +267,77 @@ def test_errors():
         reptile(model_fn, F.mse_loss).meta_loss(params, buffers, _tasks())
     with pytest.raises(ValueError, match=re.escape("n_tasks=...): expected an int >= 1")):
         sinusoid_tasks(0, 1, 1, generator=torch.Generator())
+
+
+def test_mismatched_or_empty_task_batches_are_refused_before_vmap(monkeypatch):
+    """Regression: mismatched task fields failed deep inside vmap; zero tasks in range()."""
+    import torchfn.meta._maml as maml_mod
+
+    def no_vmap(*args, **kwargs):
+        raise AssertionError("vmap was reached")
+
+    monkeypatch.setattr(maml_mod, "vmap", no_vmap)
+    model_fn, params, buffers = make_functional(_mlp(False))
+    t = _tasks()  # support (5, 6, 1), query (5, 7, 1)
+    cases = [
+        (t._replace(query_y=t.query_y[:4]), ValueError,
+         r"different numbers of tasks \(dim 0\): support_x \(5, 6, 1\), support_y \(5, 6, 1\), "
+         r"query_x \(5, 7, 1\), query_y \(4, 7, 1\)"),
+        (t._replace(support_x=t.support_x[:3]), ValueError, r"support_x \(3, 6, 1\)"),
+        (t._replace(support_y=t.support_y[:, :5]), ValueError,
+         r"tasks\.support_x \(5, 6, 1\) and tasks\.support_y \(5, 5, 1\) have different numbers "
+         r"of samples per task"),
+        (t._replace(query_x=t.query_x[:, :2]), ValueError,
+         r"tasks\.query_x \(5, 2, 1\) and tasks\.query_y \(5, 7, 1\)"),
+        (Task(*(f[:0] for f in t)), ValueError, r"zero tasks \(support_x \(0, 6, 1\)"),
+        (t._replace(support_x=t.support_x[0, :, 0]), ValueError,
+         r"tasks\.support_x has shape \(6,\); expected \(T, n, \.\.\.\)"),
+        (tuple(t), TypeError, r"expected tasks as a Task\(support_x, support_y, query_x, "
+                              r"query_y\) batch \(task dim 0\), got tuple"),
+    ]
+    learners = [maml(model_fn, F.mse_loss, chunk_size=2), reptile(model_fn, F.mse_loss)]
+    for tasks, error, pattern in cases:
+        for learner in learners:
+            with pytest.raises(error, match=r"MetaLearner\.meta_grad\(meta_params, buffers, "
+                                            r"tasks\): .*" + pattern):
+                learner.meta_grad(params, buffers, tasks)
+        with pytest.raises(error, match=r"MetaLearner\.meta_loss\(.*" + pattern):
+            learners[0].meta_loss(params, buffers, tasks)
+
+
+def test_constructors_take_explicit_keywords_and_refuse_inner_lr_with_inner_opt():
+    """Regression: **kwargs let typos and foreign options through; inner_lr was silently ignored
+    when inner_opt was given."""
+    import inspect
+
+    model_fn, params, buffers = make_functional(_mlp(False))
+    head = {"head": _head}
+    for ctor, extra in ((maml, {}), (fomaml, {}), (anil, head), (meta_sgd, {}), (reptile, {})):
+        sig = inspect.signature(ctor)
+        assert all(p.kind is not p.VAR_KEYWORD for p in sig.parameters.values()), ctor
+        assert all(p.annotation is not p.empty for p in sig.parameters.values()), ctor
+        assert "Args:" in (ctor.__doc__ or "") and "inner_opt:" in ctor.__doc__, ctor
+        with pytest.raises(TypeError, match="unexpected keyword argument 'inner_step'"):
+            ctor(model_fn, F.mse_loss, inner_step=2, **extra)
+        for foreign in ("first_order", "reptile", "learn_inner_lr"):  # not theirs to pass
+            with pytest.raises(TypeError, match=f"unexpected keyword argument '{foreign}'"):
+                ctor(model_fn, F.mse_loss, **{foreign: True}, **extra)
+        if ctor is not meta_sgd:
+            with pytest.raises(ValueError, match=r"inner_lr=0\.1, inner_opt=\.\.\.\): .*pass the "
+                                                 r"learning rate to inner_opt instead"):
+                ctor(model_fn, F.mse_loss, inner_lr=0.1, inner_opt=torchopt.sgd(lr=0.1), **extra)
+        ctor(model_fn, F.mse_loss, inner_opt=torchopt.sgd(lr=0.1), **extra)  # default: not given
+    # inner_opt alone is used, and equals the same rate given as inner_lr
+    a = maml(model_fn, F.mse_loss, inner_opt=torchopt.sgd(lr=LR), inner_steps=STEPS)
+    b = maml(model_fn, F.mse_loss, inner_lr=LR, inner_steps=STEPS)
+    c = maml(model_fn, F.mse_loss, inner_steps=STEPS)  # the default rate, 0.01
+    ga, gb, gc = (m.meta_grad(params, buffers, _tasks())[0] for m in (a, b, c))
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=0, atol=0)
+    assert any(not torch.allclose(ga[k], gc[k]) for k in ga)
+    # Meta-SGD: inner_lr is the learned rates' initial value, fine together with inner_opt
+    learner = meta_sgd(model_fn, F.mse_loss, inner_lr=0.05, inner_opt=torchopt.sgd(lr=1.0))
+    assert all(float(v.unique()) == 0.05 for k, v in learner.init(params).items()
+               if k.startswith(LR_PREFIX))
+    assert float(meta_sgd(model_fn, F.mse_loss).init(params)[LR_PREFIX + "0.weight"].unique()) \
+        == 0.01

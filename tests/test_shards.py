@@ -44,7 +44,8 @@ def _samples(n: int, seed: int = 0) -> list[tuple[dict, int]]:
 
 
 def _write(root, samples, per_shard, checksum="xxh3_64"):
-    with ShardWriter(root, samples_per_shard=per_shard, checksum=checksum) as w:
+    ragged = ["np"] if "np" in samples[0][0] else []
+    with ShardWriter(root, samples_per_shard=per_shard, checksum=checksum, ragged=ragged) as w:
         for s, lab in samples:
             w.write(s, label=lab)
 
@@ -386,3 +387,68 @@ def test_check_many_equals_check_per_sample(tmp_path, checksum, one_field):
     r = ShardReader(path)
     order = [7, 5, 0, 5, 3]
     assert r.check_many(order) == [r.check(i) for i in order] == [True, False, True, False, True]
+
+
+def test_labels_must_be_integer_class_ids(tmp_path):
+    """Regression: a float label was truncated (1.9 -> 1), other types gave bare int() errors."""
+    w = ShardWriter(tmp_path, samples_per_shard=3)
+    w.write({"x": torch.zeros(2)}, label=0)
+    for bad in (1.9, 2.0, np.float32(0.5), torch.tensor(1.5), np.array([0.25])):
+        with pytest.raises(TypeError, match=r"sample 1 has the non-integer label (1\.9|2\.0|0\.5|"
+                                            r"1\.5|0\.25); labels are integer class ids"):
+            w.write({"x": torch.zeros(2)}, label=bad)
+    with pytest.raises(TypeError, match=r"label='cat'\): sample 1's label is a str; expected an"):
+        w.write({"x": torch.zeros(2)}, label="cat")
+    with pytest.raises(TypeError, match=r"sample 1's label has shape \(2,\)"):
+        w.write({"x": torch.zeros(2)}, label=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="does not fit int64"):
+        w.write({"x": torch.zeros(2)}, label=2**63)
+    for good in (np.int64(3), torch.tensor(4), torch.tensor([5], dtype=torch.uint8), 6):
+        w.write({"x": torch.zeros(2)}, label=good)  # the refused writes left nothing behind
+    w.close()
+    assert [lab for s in read_manifest(tmp_path)["shards"] for lab in s["labels"]] == \
+        [0, 3, 4, 5, 6]
+    assert ShardReader(tmp_path / "shard-00001.tfs").labels == [5, 6]
+
+
+def test_odd_shaped_sample_is_refused_unless_the_field_is_ragged(tmp_path):
+    """Regression: one odd-shaped sample silently turned its batches into lists of tensors."""
+    for per_shard in (4, 1):  # within a shard, and across shards (each one fixed by itself)
+        w = ShardWriter(tmp_path / f"a{per_shard}", samples_per_shard=per_shard)
+        w.write({"x": torch.zeros(3), "y": torch.zeros(2, 2)}, label=0)
+        w.write({"x": torch.zeros(3), "y": torch.zeros(2, 2)}, label=0)
+        with pytest.raises(ValueError, match=r"sample 2 has field 'y' of shape \(2, 3\), but "
+                                             r"sample 0 has shape \(2, 2\).*ragged=\['y'\]"):
+            w.write({"x": torch.zeros(3), "y": torch.zeros(2, 3)}, label=0)
+        w.write({"x": torch.zeros(3), "y": torch.ones(2, 2)}, label=1)
+        w.close()
+        ds = StreamingDataset(tmp_path / f"a{per_shard}", batch_size=3, shuffle=False)
+        b = next(iter(ds))
+        assert b["y"].shape == (3, 2, 2) and b["label"].tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match=r"ragged=\['z'\]\): no field named 'z'"):
+        ShardWriter(tmp_path / "b", samples_per_shard=2, ragged=["z"]).write(
+            {"x": torch.zeros(1)}, label=0)
+    with ShardWriter(tmp_path / "c", samples_per_shard=2, ragged=["x"]) as w:  # opted in
+        for i in range(3):
+            w.write({"x": torch.arange(i + 1.0)}, label=i)
+    b = next(iter(StreamingDataset(tmp_path / "c", batch_size=3, shuffle=False)))
+    assert [t.tolist() for t in b["x"]] == [[0.0], [0.0, 1.0], [0.0, 1.0, 2.0]]
+
+
+def test_manifest_labels_are_checked_against_the_shard_headers(tmp_path):
+    """Regression: a manifest whose labels disagree with a shard header was read silently."""
+    root = _stream_dir(tmp_path)
+    m = json.loads((root / MANIFEST).read_text())
+    m["shards"][2]["labels"][4] += 1  # global id 16
+    (root / MANIFEST).write_text(json.dumps(m))
+    rep = verify_shards(root, full=False)
+    assert rep.bad_ids == list(range(12, 18))
+    assert all(b[1].endswith("shard-00002.tfs") for b in rep.bad)
+    assert "manifest labels differ from the shard header's (first at sample 4" in rep.bad[0][3]
+    with pytest.raises(CorruptShardError, match=r"shard-00002\.tfs.*manifest labels differ"):
+        list(StreamingDataset(root, batch_size=5, seed=3))
+    with pytest.raises(CorruptShardError, match=r"shard-00002\.tfs.*manifest labels differ"):
+        StreamingDataset(root, batch_size=5, seed=3).verify()
+    ds = StreamingDataset(root, batch_size=5, seed=3, on_corrupt="skip", meta=True)
+    ids = torch.cat([b["id"] for b in ds]).tolist()
+    assert sorted(ids) == [i for i in range(24) if not 12 <= i < 18]

@@ -335,3 +335,48 @@ def test_readinto_batches_equal_the_per_sample_path(tmp_path, shuffle, checksum,
             for k in a:
                 assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     assert set(ids.tolist()) <= set(torch.cat([b["id"] for b in got]).tolist())
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    with ShardWriter(root, samples_per_shard=4) as w:
+        for i in range(10):
+            w.write({"x": torch.full((2,), float(i))}, label=i % 3)
+    return root
+
+
+# DataLoader warns when the workers outnumber this machine's cores (a CI box with 2 cores)
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+# (workers, batch size): 10 samples in 4 batches of 3 (the last one short), or in 2 batches of 6
+# (fewer batches than 3 workers: one worker has nothing even in a full epoch)
+@pytest.mark.parametrize(("workers", "bs"), [(0, 3), (1, 3), (2, 3), (3, 3), (3, 6)])
+def test_resume_at_and_near_the_epoch_end_equals_uninterrupted(small_dir, workers, bs):
+    """Regression: a worker with an empty share of the rest raised IndexError (a state saved
+    at the end of an epoch, within the last workers - 1 batches, or a short epoch)."""
+
+    def loader():
+        ds = StreamingDataset(small_dir, batch_size=bs, seed=7, meta=True)
+        return StreamingLoader(ds, num_workers=workers)
+
+    full, states = [], []  # the uninterrupted run over epochs 0 and 1; a state after each batch
+    ld = loader()
+    for epoch in range(2):
+        ld.set_epoch(epoch)
+        for b in ld:
+            full += b["id"].tolist()
+            states.append((len(full), ld.state_dict()))
+    assert len(full) == 20 and sorted(full[:10]) == sorted(full[10:]) == list(range(10))
+    assert states[len(states) // 2 - 1][1]["consumed"] == 10  # the state at the end of epoch 0
+    for k, state in [(0, None), *states]:
+        for first in (state["epoch"], state["epoch"] + 1) if state else (0,):
+            ld = loader()
+            if state is not None:
+                ld.load_state_dict(state)
+            got = []
+            for epoch in range(first, 2):
+                ld.set_epoch(epoch)
+                got += [i for b in ld for i in b["id"].tolist()]
+            # resuming from the epoch after the saved one skips the saved epoch's rest
+            skipped = 10 - state["consumed"] if state and first > state["epoch"] else 0
+            assert got == full[k + skipped :], (k, first)

@@ -466,3 +466,81 @@ def test_second_order_argument_errors() -> None:
         hessian_diagonal(batch_loss, params, x, y, exact=True, generator=_gen(0))
     with pytest.raises(ValueError, match=r"empirical_ntk: `mode` must be one of"):
         empirical_ntk(mlp, params, x, mode="diag")
+
+
+# ---------------------------------------------------------------------------------------------
+# batch norm: per-sample gradients refused in training mode (regression: silently wrong)
+# ---------------------------------------------------------------------------------------------
+
+
+def _bn_nets() -> dict[str, torch.nn.Module]:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return {
+        "bn1d": nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)),
+        "bn1d_seq": nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.Flatten(),
+                                  nn.Linear(4 * 3, 3)),
+        "bn2d": nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                              nn.Linear(4 * 2 * 2, 3)),
+    }
+
+
+_BN_INPUTS = {"bn1d": (4,), "bn1d_seq": (2, 5), "bn2d": (2, 4, 4)}
+
+
+@pytest.mark.parametrize("name", ["bn1d", "bn1d_seq", "bn2d"])
+def test_per_sample_grads_refuse_batchnorm_in_training_mode(name: str) -> None:
+    from torchfn.functional import make_functional
+
+    net = _bn_nets()[name].to(DT)
+    for m in net.modules():  # non-trivial running statistics for the eval-mode reference
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5, generator=_gen(1))
+            m.running_var.uniform_(0.5, 2.0, generator=_gen(2))
+    x = torch.randn(5, *_BN_INPUTS[name], generator=_gen(3), dtype=DT)
+    y = torch.randint(0, 3, (5,), generator=_gen(4))
+    for replace in (True, False):
+        model_fn, params, buffers = make_functional(net, replace_batchnorm=replace)
+        with pytest.raises(ValueError, match=r"single_sample_fn\(model_fn, buffers\): '1' is a "
+                                             r"BatchNorm(1d|2d)? in training mode.*model_fn\.eval"):
+            single_sample_fn(model_fn, buffers)
+    # a hand-written per-sample loss (no single_sample_fn): torchfn's batch norm refuses under vmap
+    model_fn, params, buffers = make_functional(net)
+
+    def loss(p: Params, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model_fn(p, buffers, xi[None])[0][0], yi)
+
+    for transform in (per_sample_grads, per_sample_grad_norms):
+        with pytest.raises(ValueError, match=r"batch norm in training mode got one sample .* "
+                                             r"under vmap.*\.eval\(\)"):
+            transform(loss)(params, x, y)
+    # eval mode (running statistics) keeps working and equals a per-sample autograd loop
+    f = single_sample_fn(model_fn.eval(), buffers)
+    got = per_sample_grads(lambda p, xi, yi: F.cross_entropy(f(p, xi), yi))(params, x, y)
+    norms = per_sample_grad_norms(lambda p, xi, yi: F.cross_entropy(f(p, xi), yi))(params, x, y)
+    net.eval()
+    for i in range(5):
+        want = torch.autograd.grad(F.cross_entropy(net(x[i : i + 1]), y[i : i + 1]),
+                                   list(net.parameters()))
+        for (k, _), w in zip(net.named_parameters(), want, strict=True):
+            torch.testing.assert_close(got[k][i], w)
+        torch.testing.assert_close(norms[i], torch.cat([w.flatten() for w in want]).norm())
+
+
+def test_per_sample_grads_refuse_batchnorm_without_running_stats() -> None:
+    from torch import nn
+
+    from torchfn.functional import make_functional
+
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, track_running_stats=False),
+                        nn.Flatten()).to(DT).eval()  # eval, but still batch statistics
+    model_fn, params, buffers = make_functional(net)
+    with pytest.raises(ValueError, match="'1' is a BatchNorm without running statistics"):
+        single_sample_fn(model_fn, buffers)
+
+    def loss(p: Params, xi: torch.Tensor) -> torch.Tensor:
+        return model_fn(p, buffers, xi[None])[0].sum()
+
+    with pytest.raises(ValueError, match="batch norm without running statistics got one sample"):
+        per_sample_grads(loss)(params, torch.randn(3, 2, 4, 4, dtype=DT))

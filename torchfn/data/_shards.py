@@ -21,7 +21,9 @@ shards but not ``"xxh3_64"`` ones.
 
 A field whose samples all share one shape is stored as one contiguous ``(n, *shape)`` array
 ("fixed" layout: reading sample ``i`` is a zero-copy view); otherwise its samples are stored back
-to back with per-sample byte offsets and shapes ("ragged" layout).
+to back with per-sample byte offsets and shapes ("ragged" layout). The writer stores a field
+ragged only when asked to (``ShardWriter(..., ragged=[name])``); it refuses a sample whose shape
+differs from the first sample's in any other field.
 """
 
 from __future__ import annotations
@@ -161,6 +163,52 @@ def _as_tensor(name: str, value: Any) -> torch.Tensor:
     return t.contiguous()
 
 
+def _check_label(label: Any, index: int) -> int:
+    """Returns ``label`` as an int; raises ``TypeError`` for anything but an integer class id."""
+    call = f"ShardWriter.write(label={label!r})"
+    value = label
+    if isinstance(label, torch.Tensor | np.ndarray):
+        numel = label.numel() if isinstance(label, torch.Tensor) else label.size
+        if numel != 1:
+            raise TypeError(
+                f"{call}: sample {index}'s label has shape {tuple(label.shape)}; expected one "
+                "integer class id"
+            )
+        value = label.item()
+    elif isinstance(label, np.generic):
+        value = label.item()
+    if isinstance(value, float | complex):
+        raise TypeError(
+            f"{call}: sample {index} has the non-integer label {value!r}; labels are integer "
+            "class ids (the shard format stores ints: torchfn/data/README.md), never truncated. "
+            "Pass int(label) if it is a class id, or store a float target as a field: "
+            "write({..., 'target': torch.tensor(label)}, label=0)"
+        )
+    if not isinstance(value, int):
+        raise TypeError(
+            f"{call}: sample {index}'s label is a {type(label).__name__}; expected an int "
+            "class id (or a one-element integer tensor/array)"
+        )
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{call}: sample {index}'s label does not fit int64")
+    return int(value)
+
+
+def _manifest_mismatch(reader: ShardReader, num_samples: int, labels: Sequence[int]) -> str | None:
+    """Returns why ``reader``'s header disagrees with its manifest entry, or None if it agrees."""
+    if reader.num_samples != num_samples:
+        return f"manifest says {num_samples} samples, shard header says {reader.num_samples}"
+    if len(labels) != len(reader.labels):
+        return f"manifest lists {len(labels)} labels, shard header {len(reader.labels)}"
+    for i, (a, b) in enumerate(zip(labels, reader.labels, strict=True)):
+        if int(a) != int(b):
+            return (
+                f"manifest labels differ from the shard header's (first at sample {i}: manifest "
+                f"{int(a)}, header {int(b)}); the manifest and the shard are out of sync"
+            )
+    return None
+
+
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
@@ -252,6 +300,12 @@ class ShardWriter:
     (default, ~60 GB/s) or ``"crc32"`` (zlib, ~3-4 GB/s; such shards are also readable by
     torchfn versions from before the ``"checksum"`` header field).
 
+    Every field has one shape for all samples (batches stack it into ``(b, *shape)``), except
+    the fields named in ``ragged``, whose shape may vary per sample (batches then hold them as
+    lists of tensors); a sample with another shape in any other field is refused with
+    ``ValueError``. Labels are ints (or one-element integer tensors/arrays); a float label is
+    refused with ``TypeError`` (the format stores integer labels).
+
     Example:
         >>> import tempfile, torch
         >>> d = tempfile.mkdtemp()
@@ -268,6 +322,7 @@ class ShardWriter:
         *,
         samples_per_shard: int,
         checksum: str = _DEFAULT_CHECKSUM,
+        ragged: Iterable[str] = (),
     ) -> None:
         if not isinstance(samples_per_shard, int) or samples_per_shard < 1:
             raise ValueError(
@@ -288,6 +343,9 @@ class ShardWriter:
             )
         self.samples_per_shard = samples_per_shard
         self.checksum = checksum
+        self.ragged = frozenset([ragged] if isinstance(ragged, str) else map(str, ragged))
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # the first sample's shapes
+        self._count = 0  # samples written so far (the index of the next one)
         self._samples: list[dict[str, torch.Tensor]] = []
         self._labels: list[int] = []
         self._shards: list[dict[str, Any]] = []
@@ -302,8 +360,29 @@ class ShardWriter:
             raise ValueError("ShardWriter.write: a sample needs at least one field")
         if "label" in sample:
             raise ValueError("ShardWriter.write: 'label' is reserved; pass it as label=...")
-        self._samples.append({str(k): _as_tensor(str(k), v) for k, v in sample.items()})
-        self._labels.append(int(label))
+        index = self._count
+        tensors = {str(k): _as_tensor(str(k), v) for k, v in sample.items()}
+        lab = _check_label(label, index)
+        if self._shapes is None:
+            unknown = sorted(self.ragged - set(tensors))
+            if unknown:
+                raise ValueError(
+                    f"ShardWriter(ragged={sorted(self.ragged)}): no field named "
+                    f"{', '.join(map(repr, unknown))}; the samples have {sorted(tensors)}"
+                )
+            self._shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+        for k, t in tensors.items():
+            ref = self._shapes.get(k)
+            if k not in self.ragged and ref is not None and tuple(t.shape) != ref:
+                raise ValueError(
+                    f"ShardWriter.write: sample {index} has field {k!r} of shape "
+                    f"{tuple(t.shape)}, but sample 0 has shape {ref}; a field keeps one shape "
+                    f"(batches stack it), or pass ShardWriter(..., ragged=[{k!r}]) to store it "
+                    "ragged (batches then hold it as a list of tensors)"
+                )
+        self._samples.append(tensors)
+        self._labels.append(lab)
+        self._count += 1
         if len(self._samples) == self.samples_per_shard:
             self._flush()
 
@@ -607,15 +686,16 @@ class VerifyReport:
         return not self.bad
 
 
-def _open_or_report(path: Path, n: int) -> tuple[ShardReader | None, dict[int, str]]:
+def _open_or_report(
+    path: Path, n: int, labels: Sequence[int]
+) -> tuple[ShardReader | None, dict[int, str]]:
     try:
         r = ShardReader(str(path))
     except CorruptShardError as e:
         return None, dict.fromkeys(range(n), e.reason)
-    if r.num_samples != n:
-        return None, dict.fromkeys(
-            range(n), f"manifest says {n} samples, shard header says {r.num_samples}"
-        )
+    reason = _manifest_mismatch(r, n, labels)
+    if reason is not None:
+        return None, dict.fromkeys(range(n), reason)
     return r, dict(r.bad)
 
 
@@ -623,7 +703,9 @@ def verify_shards(root: str | os.PathLike[str], *, full: bool = True) -> VerifyR
     """Returns a ``VerifyReport`` listing every sample of ``root`` that is unreadable.
 
     ``full=False`` only checks the headers and file lengths (cheap: one small read per shard);
-    ``full=True`` also checks every sample's checksum (reads all the data once).
+    ``full=True`` also checks every sample's checksum (reads all the data once). A shard whose
+    header disagrees with the manifest (sample count or labels) is listed whole, the reason
+    naming the disagreement.
 
     Example:
         >>> import tempfile, torch
@@ -640,7 +722,7 @@ def verify_shards(root: str | os.PathLike[str], *, full: bool = True) -> VerifyR
     for shard in manifest["shards"]:
         path = Path(root) / shard["file"]
         n = int(shard["num_samples"])
-        reader, errs = _open_or_report(path, n)
+        reader, errs = _open_or_report(path, n, shard["labels"])
         if reader is not None and full:
             for i in range(n):
                 if i not in errs and not reader.check(i):

@@ -21,6 +21,7 @@ from ._shards import (
     CorruptShardError,
     ShardReader,
     VerifyReport,
+    _manifest_mismatch,
     read_manifest,
     verify_shards,
 )
@@ -67,7 +68,11 @@ class StreamingDataset(IterableDataset):
     ``StatefulDataLoader`` (whose ``state_dict`` restores the same worker count; for a new
     worker count use ``state_from_stateful_loader``). ``load_state_dict`` makes the *next*
     iteration start after ``consumed`` items; later iterations start at 0. ``set_epoch`` with a
-    new epoch drops a pending resume; with the loaded epoch it keeps it.
+    new epoch drops a pending resume; with the loaded epoch it keeps it. A state saved at the end
+    of an epoch resumes with the (empty) rest of that epoch, so a loop that calls
+    ``set_epoch(e)`` for every ``e`` from ``state["epoch"]`` on (or from ``state["epoch"] + 1``)
+    yields exactly what an uninterrupted run yields; a worker whose share of the rest is empty
+    (fewer batches left than workers) yields nothing.
 
     Args:
         root: a directory written by ``ShardWriter``.
@@ -237,7 +242,12 @@ class StreamingDataset(IterableDataset):
     def _reader(self, shard: int) -> ShardReader:
         r = self._readers.get(shard)
         if r is None:
-            r = self._readers[shard] = ShardReader(self.files[shard])
+            r = ShardReader(self.files[shard])
+            a, b = int(self._starts[shard]), int(self._starts[shard + 1])
+            reason = _manifest_mismatch(r, b - a, self.labels[a:b].tolist())
+            if reason is not None:
+                raise CorruptShardError(r.path, None, reason)
+            self._readers[shard] = r
         return r
 
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -270,7 +280,7 @@ class StreamingDataset(IterableDataset):
             try:
                 r = self._reader(s)
             except CorruptShardError as e:
-                err = CorruptShardError(e.path, i, f"header unreadable ({e.reason})")
+                err = CorruptShardError(e.path, i, f"shard header rejected ({e.reason})")
             else:
                 if not self.verify_reads and i not in r.bad:
                     continue
@@ -380,6 +390,8 @@ class StreamingDataset(IterableDataset):
             start, first_chunk = wres["base"], wres["next_chunk"]
         self._progress = (self.epoch, start, 0)
         p = self._plan(nw, wid, start)
+        if not len(p.ids):  # nothing left for this worker: the epoch's rest is empty or short
+            return
         chunk = p.positions // self.batch_size
         bounds = np.flatnonzero(np.diff(chunk)) + 1
         edges = [0, *bounds.tolist(), len(chunk)]

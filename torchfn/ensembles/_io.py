@@ -20,7 +20,8 @@ def save_ensemble(path: str | os.PathLike[str], state: TrainState, *,
     """Write an ensemble's stacked :class:`TrainState` (and ``extra``) to ``path`` atomically.
 
     A :func:`torchfn.functional.save_checkpoint` file that also records N, so
-    :func:`load_ensemble` can check it. Returns ``None``.
+    :func:`load_ensemble` can check it. Returns ``None``. Like ``save_checkpoint``, it first
+    removes the temporary files that killed saves of the same ``path`` left behind.
 
     Example:
         >>> import os, tempfile, torch

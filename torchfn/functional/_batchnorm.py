@@ -59,6 +59,11 @@ def functional_batch_norm(
     running statistics, ``grad``, ``grad`` of ``grad`` and ``torch.compile(fullgraph=True)``.
     ``weight``/``bias`` may be ``None`` (``affine=False``).
 
+    Per-sample use is refused: batch statistics (``training``, or no running statistics) of an
+    ``x`` with ``N == 1`` under ``vmap`` (eagerly; what ``per_sample_grads`` over
+    ``single_sample_fn`` does) would normalise every sample by itself, so ``ValueError`` is
+    raised; eval mode with running statistics works under any ``vmap``.
+
     Example::
 
         >>> x = torch.randn(8, 3, 5, 5)
@@ -85,6 +90,17 @@ def functional_batch_norm(
     update = training and running_mean is not None
 
     if use_batch_stats:
+        if x.shape[0] == 1 and _under_vmap(x):
+            raise ValueError(
+                "functional_batch_norm(x, ...): batch norm "
+                + ("in training mode" if training else "without running statistics")
+                + f" got one sample (x of shape {tuple(x.shape)}) per call under vmap, as in "
+                "per-sample gradients (per_sample_grads over single_sample_fn): it normalises "
+                "with statistics of the whole batch, so per-sample gradients are undefined, and "
+                "each sample would be normalised by its own statistics. Use GroupNorm/LayerNorm, "
+                "or call .eval() on the model (with track_running_stats=True) to use fixed "
+                "running statistics"
+            )
         count = x.numel() // max(channels, 1)
         if training and count <= 1:
             raise ValueError(
@@ -121,6 +137,22 @@ def functional_batch_norm(
         new_mean = ((1 - factor) * running_mean + factor * mean.detach()).to(running_mean.dtype)
         new_var = ((1 - factor) * running_var + factor * unbiased).to(running_var.dtype)
     return y, new_mean, new_var, new_count
+
+
+def _under_vmap(x: Tensor) -> bool:
+    """Returns whether ``x`` is batched by an enclosing ``vmap`` (False while compiling).
+
+    torch has no public API for this: it walks functorch's wrappers (grad, vmap, ...) of ``x``.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    functorch = torch._C._functorch
+    t = x
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def _kind(t: Tensor | None) -> str:

@@ -12,7 +12,12 @@ are refilled (and checked leaf by leaf) from the file.
 Writes are atomic: the checkpoint goes to a hidden temporary file in the target directory, is
 flushed and fsync'ed, then renamed over the target with ``os.replace``, and the directory is
 fsync'ed. A crash mid-write leaves the previous checkpoint intact; at worst a
-``.<name>.*.tmp`` file remains, which loading never reads.
+``.<name>.<pid>@<host>.<random>.tmp`` file remains, which loading never reads. The next save of
+the same target removes such leftovers of *its own* target name: those written on this host by a
+process that is no longer alive, and any (from another host, or named by an older torchfn as
+``.<name>.<random>.tmp``) not modified for an hour (``_STALE_AFTER_S``). A temporary file of a
+save running right now (its process alive, or written to within the hour) is never touched, nor
+are the temporary files of other targets in the directory.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
+import secrets
+import socket
 import sys
-import tempfile
+import time
 from typing import Any
 
 import torch
@@ -35,6 +43,8 @@ FORMAT = "torchfn.checkpoint"
 FORMAT_VERSION = 1
 _KIND = "__torchfn_kind__"
 _ALLOWED_MODULES = ("torchopt.", "torchfn.")
+# A temporary file not modified for this long is no live save's (torch.save writes as it goes).
+_STALE_AFTER_S = 3600.0
 
 # torchfn's checkpointable state types by stable name: the package that exports the class
 # publicly, then its name. A checkpoint records these names, never the private module.
@@ -231,6 +241,58 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _host() -> str:
+    """Returns this host's name with every character outside ``[A-Za-z0-9_.-]`` as ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Returns whether process ``pid`` exists on this host (True when that cannot be told)."""
+    if os.name != "posix" or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, owned by another user
+        return True
+    return True
+
+
+def _open_tmp(directory: str, base: str) -> tuple[int, str]:
+    """Creates ``.<base>.<pid>@<host>.<8 hex>.tmp`` in ``directory`` (exclusively, mode 0600)."""
+    while True:
+        tmp = os.path.join(
+            directory, f".{base}.{os.getpid()}@{_host()}.{secrets.token_hex(4)}.tmp"
+        )
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                           0o600), tmp
+        except FileExistsError:
+            continue
+
+
+def _remove_stale_tmps(directory: str, base: str) -> None:
+    """Removes leftover temporary files of killed saves of target ``base`` (module docstring)."""
+    prefix = re.escape(f".{base}.")
+    ours = re.compile(prefix + r"(\d+)@([^@/]*)\.[0-9a-f]{8}\.tmp")
+    legacy = re.compile(prefix + r"[a-z0-9_]{8}\.tmp")  # tempfile.mkstemp's names
+    host, now = _host(), time.time()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        m = ours.fullmatch(name)
+        if m is None and legacy.fullmatch(name) is None:
+            continue
+        full = os.path.join(directory, name)
+        with contextlib.suppress(OSError):  # gone already (another save cleaned it), or no right
+            dead = m is not None and m.group(2) == host and not _pid_alive(int(m.group(1)))
+            if dead or now - os.stat(full).st_mtime > _STALE_AFTER_S:
+                os.unlink(full)
+
+
 def save_checkpoint(
     path: str | os.PathLike[str], state: TrainState, *, extra: dict[str, Any] | None = None
 ) -> None:
@@ -239,6 +301,8 @@ def save_checkpoint(
     ``extra`` is a dict of plain data (numbers, strings, tensors, dict/list/tuple of them), e.g. a
     data loader's ``state_dict()``; anything else raises ``TypeError`` before a byte is written.
     The file records the format version and the torch version. The target directory must exist.
+    Temporary files that killed saves of the same ``path`` left behind are removed first (the
+    rule is in this module's docstring).
 
     Example:
         >>> import os, tempfile, torch
@@ -283,9 +347,8 @@ def save_checkpoint(
         raise FileNotFoundError(
             f"save_checkpoint({path!r}): directory {directory!r} does not exist"
         )
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory
-    )
+    _remove_stale_tmps(directory, os.path.basename(path))
+    fd, tmp = _open_tmp(directory, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)

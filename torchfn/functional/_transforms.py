@@ -23,8 +23,10 @@ from typing import Any, Literal
 
 import optree
 import torch
+from torch import nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
+from torchfn.functional._batchnorm import BatchNorm
 from torchfn.functional._pytree import (
     _check_same_structure,
     _path_str,
@@ -164,6 +166,25 @@ def _check_batch_sizes(
 # ---------------------------------------------------------------------------------------------
 
 
+def _refuse_batch_statistics(model_fn: Any) -> None:
+    """Raise if ``model_fn`` (a FunctionalModel) holds a batch norm that uses batch statistics."""
+    module = getattr(model_fn, "_module", None)  # FunctionalModel's private module copy
+    if not isinstance(module, nn.Module):
+        return  # other callables: torchfn's batch norm refuses at call time under vmap
+    for name, sub in module.named_modules():
+        if not isinstance(sub, nn.modules.batchnorm._BatchNorm | BatchNorm):
+            continue
+        if sub.training or not sub.track_running_stats:
+            mode = "in training mode" if sub.training else "without running statistics"
+            raise ValueError(
+                f"single_sample_fn(model_fn, buffers): {name or '<root>'!r} is a "
+                f"{type(sub).__name__} {mode}, which normalises with statistics of the whole "
+                "batch, so per-sample gradients are undefined (under vmap each sample would be "
+                "normalised by itself). Use GroupNorm/LayerNorm, or pass model_fn.eval() (with "
+                "track_running_stats=True) to use fixed running statistics"
+            )
+
+
 def single_sample_fn(
     model_fn: Callable[..., tuple[Any, dict[str, torch.Tensor]]],
     buffers: dict[str, torch.Tensor],
@@ -178,7 +199,10 @@ def single_sample_fn(
     :func:`per_sample_grads` and :func:`empirical_ntk` expect.
 
     A model whose forward mixes samples (BatchNorm in training mode) has no per-sample meaning:
-    use eval-mode buffers (running statistics) for per-sample gradients and NTKs.
+    for a ``FunctionalModel`` with a batch norm in training mode (or without running statistics)
+    ``single_sample_fn`` raises ``ValueError``; pass ``model_fn.eval()`` (running statistics)
+    for per-sample gradients and NTKs. torchfn's batch norm also refuses batch statistics of one
+    sample under ``vmap``, whatever builds the per-sample function.
 
     Example::
 
@@ -189,6 +213,8 @@ def single_sample_fn(
         >>> f({"W": W}, torch.randn(4)).shape           # one sample, no batch dim
         torch.Size([3])
     """
+
+    _refuse_batch_statistics(model_fn)
 
     def f(params: PyTree, *sample_args: Any, **kwargs: Any) -> Any:
         batched = tree_map(lambda a: a.unsqueeze(0), sample_args)

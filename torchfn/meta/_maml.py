@@ -27,11 +27,12 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
-from torchfn.meta._tasks import Task
+from torchfn.meta._tasks import Task, check_task_batch
 
 __all__ = ["LR_PREFIX", "MetaLearner", "anil", "fomaml", "maml", "meta_sgd", "reptile"]
 
 LR_PREFIX = "inner_lr:"
+_DEFAULT_INNER_LR = 0.01
 
 TensorDict = dict[str, Tensor]
 LossFn = Callable[[Any, Tensor], Tensor]
@@ -47,6 +48,11 @@ class MetaLearner:
     scalar mean loss. A model in training mode normalises with each task's own batch
     statistics (transductive BatchNorm, per task, as in the MAML paper).
 
+    ``inner_lr`` (default 0.01) is the learning rate of the default inner optimizer
+    ``torchopt.sgd(inner_lr)``; with ``inner_opt`` given, pass the rate to it instead
+    (``ValueError`` otherwise), except for Meta-SGD, where ``inner_lr`` is the initial value of
+    the learned rates.
+
     Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
     instead of grouped cuDNN convolutions): the 4-block few-shot conv net's second-order step
@@ -61,7 +67,7 @@ class MetaLearner:
         loss_fn: LossFn,
         *,
         inner_steps: int = 1,
-        inner_lr: float = 0.01,
+        inner_lr: float | None = None,
         inner_opt: GradientTransformation | None = None,
         first_order: bool = False,
         adapt_filter: Callable[[str], bool] | None = None,
@@ -78,6 +84,14 @@ class MetaLearner:
         if learn_inner_lr and reptile:
             raise ValueError("MetaLearner(learn_inner_lr=True, reptile=True): Reptile has no "
                              "outer gradient to learn inner learning rates with")
+        if inner_lr is not None and inner_opt is not None and not learn_inner_lr:
+            raise ValueError(
+                f"MetaLearner(inner_lr={inner_lr!r}, inner_opt=...): inner_opt makes the inner "
+                "steps and would ignore inner_lr; pass the learning rate to inner_opt instead "
+                f"(e.g. inner_opt=torchopt.sgd(lr={inner_lr!r}))"
+            )
+        if inner_lr is None:
+            inner_lr = _DEFAULT_INNER_LR
         self.model_fn = model_fn
         self.loss_fn = loss_fn
         self.inner_steps = inner_steps
@@ -225,6 +239,7 @@ class MetaLearner:
         if self.reptile:
             raise ValueError("MetaLearner.meta_loss: Reptile has no meta-loss to differentiate; "
                              "use meta_grad (its outer 'gradient' is params - mean(adapted))")
+        check_task_batch(tasks, "MetaLearner.meta_loss(meta_params, buffers, tasks)")
         losses, bufs = [], []
         for chunk in self._chunks(tasks):
             loss_t, buf_t = vmap(self.task_loss, in_dims=(None, None, 0))(
@@ -253,6 +268,7 @@ class MetaLearner:
             >>> g["w"].shape
             torch.Size([1, 1])
         """
+        check_task_batch(tasks, "MetaLearner.meta_grad(meta_params, buffers, tasks)")
         n = tasks.support_x.shape[0]
         total: TensorDict | None = None
         loss_sum: Tensor | None = None
@@ -292,68 +308,189 @@ def _mean_buffers(chunks: list[Mapping[str, Tensor]], buffers: Mapping[str, Tens
 # -- constructors --------------------------------------------------------------------------------
 
 
-def maml(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
-    """Return a second-order MAML :class:`MetaLearner` (``inner_lr``, ``inner_steps``, ...).
+def maml(
+    model_fn: Callable[..., Any],
+    loss_fn: LossFn,
+    *,
+    inner_steps: int = 1,
+    inner_lr: float | None = None,
+    inner_opt: GradientTransformation | None = None,
+    adapt_filter: Callable[[str], bool] | None = None,
+    chunk_size: int | None = None,
+) -> MetaLearner:
+    """Return a second-order MAML :class:`MetaLearner` (differentiates through the inner loop).
 
-    Keyword arguments: ``inner_steps=1``, ``inner_lr=0.01``, ``inner_opt`` (any torchopt
-    transformation, default ``torchopt.sgd(inner_lr)``), ``adapt_filter`` (name predicate),
-    ``chunk_size``.
+    Args:
+        model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+        loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
+        inner_steps: inner-loop steps per task (an int >= 1).
+        inner_lr: learning rate of the default inner optimizer ``torchopt.sgd(inner_lr)``;
+            ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
+            rate to ``inner_opt`` instead.
+        inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
+            out-of-place); default ``torchopt.sgd(inner_lr)``.
+        adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
+            (the others stay the meta-params); ``None`` adapts all.
+        chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
+            the backward holds one chunk); ``None`` vmaps the whole task batch.
 
     Example:
         >>> import torch.nn.functional as F
         >>> maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_steps=5)
         MetaLearner(maml, inner_steps=5, chunk_size=None, adapt_filter=False)
     """
-    return MetaLearner(model_fn, loss_fn, **kwargs)
+    return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
+                       inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size)
 
 
-def fomaml(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
+def fomaml(
+    model_fn: Callable[..., Any],
+    loss_fn: LossFn,
+    *,
+    inner_steps: int = 1,
+    inner_lr: float | None = None,
+    inner_opt: GradientTransformation | None = None,
+    adapt_filter: Callable[[str], bool] | None = None,
+    chunk_size: int | None = None,
+) -> MetaLearner:
     """Return a first-order MAML :class:`MetaLearner` (inner gradients detached).
+
+    Args:
+        model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+        loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
+        inner_steps: inner-loop steps per task (an int >= 1).
+        inner_lr: learning rate of the default inner optimizer ``torchopt.sgd(inner_lr)``;
+            ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
+            rate to ``inner_opt`` instead.
+        inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
+            out-of-place); default ``torchopt.sgd(inner_lr)``.
+        adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
+            (the others stay the meta-params); ``None`` adapts all.
+        chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
+            the backward holds one chunk); ``None`` vmaps the whole task batch.
 
     Example:
         >>> import torch.nn.functional as F
         >>> fomaml(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
         MetaLearner(fomaml, inner_steps=1, chunk_size=None, adapt_filter=False)
     """
-    return MetaLearner(model_fn, loss_fn, first_order=True, **kwargs)
+    return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
+                       inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
+                       first_order=True)
 
 
 def anil(
-    model_fn: Callable[..., Any], loss_fn: LossFn, head: Callable[[str], bool], **kwargs: Any
+    model_fn: Callable[..., Any],
+    loss_fn: LossFn,
+    head: Callable[[str], bool],
+    *,
+    inner_steps: int = 1,
+    inner_lr: float | None = None,
+    inner_opt: GradientTransformation | None = None,
+    chunk_size: int | None = None,
 ) -> MetaLearner:
     """Return an ANIL :class:`MetaLearner`: MAML adapting only the params ``head(name)`` keeps.
+
+    Args:
+        model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+        loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
+        head: ``head(name) -> bool`` keeps the params the inner loop adapts (the head).
+        inner_steps: inner-loop steps per task (an int >= 1).
+        inner_lr: learning rate of the default inner optimizer ``torchopt.sgd(inner_lr)``;
+            ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
+            rate to ``inner_opt`` instead.
+        inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
+            out-of-place); default ``torchopt.sgd(inner_lr)``.
+        chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
+            the backward holds one chunk); ``None`` vmaps the whole task batch.
 
     Example:
         >>> import torch.nn.functional as F
         >>> anil(lambda p, b, x: (x @ p["w"], b), F.mse_loss, head=lambda n: n.startswith("3."))
         MetaLearner(maml, inner_steps=1, chunk_size=None, adapt_filter=True)
     """
-    return MetaLearner(model_fn, loss_fn, adapt_filter=head, **kwargs)
+    return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
+                       inner_opt=inner_opt, adapt_filter=head, chunk_size=chunk_size)
 
 
-def meta_sgd(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
+def meta_sgd(
+    model_fn: Callable[..., Any],
+    loss_fn: LossFn,
+    *,
+    inner_steps: int = 1,
+    inner_lr: float | None = None,
+    inner_opt: GradientTransformation | None = None,
+    adapt_filter: Callable[[str], bool] | None = None,
+    chunk_size: int | None = None,
+) -> MetaLearner:
     """Return a Meta-SGD :class:`MetaLearner`: per-parameter inner rates are meta-params.
 
-    ``inner_lr`` is their initial value; the inner optimizer defaults to ``torchopt.sgd(1.0)``
+    Here ``inner_lr`` (default 0.01) is the initial value of the learned rates, so it may be
+    given together with ``inner_opt``; the inner optimizer defaults to ``torchopt.sgd(1.0)``
     and its updates are multiplied elementwise by the learned rates.
+
+    Args:
+        model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+        loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
+        inner_steps: inner-loop steps per task (an int >= 1).
+        inner_lr: initial value of the learned per-parameter rates; ``None`` means 0.01.
+        inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
+            out-of-place); default ``torchopt.sgd(1.0)``, whose updates are scaled
+            elementwise by the learned rates.
+        adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
+            (the others stay the meta-params); ``None`` adapts all.
+        chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
+            the backward holds one chunk); ``None`` vmaps the whole task batch.
 
     Example:
         >>> import torch.nn.functional as F
         >>> meta_sgd(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
         MetaLearner(meta_sgd, inner_steps=1, chunk_size=None, adapt_filter=False)
     """
-    return MetaLearner(model_fn, loss_fn, learn_inner_lr=True, **kwargs)
+    return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
+                       inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
+                       learn_inner_lr=True)
 
 
-def reptile(model_fn: Callable[..., Any], loss_fn: LossFn, **kwargs: Any) -> MetaLearner:
+def reptile(
+    model_fn: Callable[..., Any],
+    loss_fn: LossFn,
+    *,
+    inner_steps: int = 1,
+    inner_lr: float | None = None,
+    inner_opt: GradientTransformation | None = None,
+    adapt_filter: Callable[[str], bool] | None = None,
+    chunk_size: int | None = None,
+) -> MetaLearner:
     """Return a Reptile :class:`MetaLearner`; its ``meta_grad`` is ``params - mean(adapted)``.
 
     With an outer ``torchopt.sgd(lr=eps)`` the outer step is Reptile's
     ``params + eps * (mean_t phi_t - params)``. Adaptation runs on each task's support set.
+
+    Args:
+        model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+        loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
+        inner_steps: inner-loop steps per task (an int >= 1).
+        inner_lr: learning rate of the default inner optimizer ``torchopt.sgd(inner_lr)``;
+            ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
+            rate to ``inner_opt`` instead.
+        inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
+            out-of-place); default ``torchopt.sgd(inner_lr)``.
+        adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
+            (the others stay the meta-params); ``None`` adapts all.
+        chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
+            the backward holds one chunk); ``None`` vmaps the whole task batch.
 
     Example:
         >>> import torch.nn.functional as F
         >>> reptile(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_steps=5)
         MetaLearner(reptile, inner_steps=5, chunk_size=None, adapt_filter=False)
     """
-    return MetaLearner(model_fn, loss_fn, reptile=True, **kwargs)
+    return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
+                       inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
+                       reptile=True)

@@ -26,6 +26,48 @@ class Task(NamedTuple):
     query_y: Tensor
 
 
+def check_task_batch(tasks: object, call: str) -> None:
+    """Raise unless ``tasks`` is a :class:`Task` batch with consistent shapes (private helper).
+
+    Every field is a tensor ``(T, n, ...)`` with the same number of tasks ``T >= 1``; the
+    support inputs and targets have the same number of samples ``K >= 1``, and so do the query
+    ones (``Q >= 1``). ``call`` restates the caller in the message (``"maml(...).meta_grad(...)"``).
+    """
+    if not isinstance(tasks, Task):
+        raise TypeError(
+            f"{call}: expected tasks as a Task(support_x, support_y, query_x, query_y) batch "
+            f"(task dim 0), got {type(tasks).__name__}"
+        )
+    shapes = {}
+    for name, value in zip(Task._fields, tasks, strict=True):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{call}: tasks.{name} must be a tensor, got {type(value).__name__}")
+        if value.dim() < 2:
+            raise ValueError(
+                f"{call}: tasks.{name} has shape {tuple(value.shape)}; expected (T, n, ...): "
+                "a task dim 0, then the samples of each task"
+            )
+        shapes[name] = tuple(value.shape)
+    listing = ", ".join(f"{k} {v}" for k, v in shapes.items())
+    n_tasks = shapes["support_x"][0]
+    if any(v[0] != n_tasks for v in shapes.values()):
+        raise ValueError(
+            f"{call}: the fields of tasks have different numbers of tasks (dim 0): {listing}; "
+            "every field needs the same number of tasks"
+        )
+    if n_tasks == 0:
+        raise ValueError(f"{call}: tasks holds zero tasks ({listing}); expected at least one")
+    for x, y in (("support_x", "support_y"), ("query_x", "query_y")):
+        if shapes[x][1] != shapes[y][1]:
+            raise ValueError(
+                f"{call}: tasks.{x} {shapes[x]} and tasks.{y} {shapes[y]} have different "
+                f"numbers of samples per task (dim 1: {shapes[x][1]} and {shapes[y][1]}); each "
+                "input needs its target"
+            )
+        if shapes[x][1] == 0:
+            raise ValueError(f"{call}: tasks.{x} {shapes[x]} has no samples per task (dim 1)")
+
+
 def sinusoid_tasks(
     n_tasks: int,
     k_support: int,
