@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchopt
+from _bench import time_calls
 from torch import nn
 
 from torchfn import distributed as tdist
@@ -75,27 +76,20 @@ def _mlp(dims: tuple[int, ...]) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time(fn: Any, state: Any, steps: int, warmup: int, device: torch.device,
           distributed: bool) -> float:
     """Return seconds per step (slowest rank) of ``state = fn(state)`` after ``warmup``."""
-    for _ in range(warmup):
-        state = fn(state)
-    _sync(device)
-    if distributed:
-        dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state = fn(state)
-    _sync(device)
-    elapsed = torch.tensor(time.perf_counter() - t0, dtype=F64, device=device)
+    box = [state]
+
+    def call() -> None:
+        box[0] = fn(box[0])
+
+    t = time_calls(call, device, warmup=warmup, repeats=1, inner=steps,
+                   before_repeats=dist.barrier if distributed else None)
+    elapsed = torch.tensor(t.median_s, dtype=F64, device=device)
     if distributed:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) / steps
+    return float(elapsed)
 
 
 # -- throughput ----------------------------------------------------------------------------------

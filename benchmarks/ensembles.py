@@ -31,13 +31,14 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
+from _bench import sync as sync_device
+from _bench import time_calls
 from torch import nn
 
 from torchfn.compile import make_graphed_step
@@ -52,11 +53,6 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def graphs() -> int:
     """Return the number of graphs Dynamo has compiled so far in this process."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -65,30 +61,16 @@ def graphs() -> int:
 def timeit(fn: Callable[[], object], wait: Callable[[], None], repeats: int,
            warmup: int = 3, min_sample_s: float = 5e-3) -> dict[str, Any]:
     """Return step-time stats of ``fn`` (seconds): first call, then ``repeats`` samples."""
-    t0 = time.perf_counter()
-    fn()
-    wait()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        fn()
-    wait()
-    t0 = time.perf_counter()
-    fn()
-    wait()
-    one = time.perf_counter() - t0
-    inner = max(1, min(200, math.ceil(min_sample_s / max(one, 1e-7))))
-    g0 = graphs()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        wait()
-        samples.append((time.perf_counter() - t0) / inner)
-    samples.sort()
-    return {"median": statistics.median(samples), "p10": samples[len(samples) // 10],
-            "p90": samples[(len(samples) * 9) // 10], "first_call": first, "inner": inner,
-            "graphs_compiled_while_timing": graphs() - g0}
+    g0 = [0]
+
+    def mark() -> None:
+        g0[0] = graphs()
+
+    t = time_calls(fn, wait=wait, warmup=warmup, repeats=repeats, min_sample_s=min_sample_s,
+                   before_repeats=mark)
+    return {"median": t.median_s, "p10": t.quantile_s(0.1), "p90": t.quantile_s(0.9),
+            "first_call": t.first_call_s, "inner": t.inner,
+            "graphs_compiled_while_timing": graphs() - g0[0]}
 
 
 def make_net(sizes: list[int]) -> Callable[[], nn.Module]:
@@ -123,7 +105,7 @@ def bench_loop(n: int, sizes: list[int], batch: int, device: torch.device, reps:
             o.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(m(x[i]), y[i]).backward()
             o.step()
-    return timeit(step, lambda: sync(device), reps)
+    return timeit(step, lambda: sync_device(device), reps)
 
 
 class TorchfnStep:
@@ -174,7 +156,7 @@ class TorchfnStep:
             compile_kwargs = ({"options": {"coordinate_descent_tuning": True}}
                               if self.mode.endswith("-cdt") else True)
             self.step = make_graphed_step(self.plain_step, state, (x, y), compile=compile_kwargs)
-            sync(device)
+            sync_device(device)
             build_s = time.perf_counter() - t0
         holder = [state]
         mark = (torch.compiler.cudagraph_mark_step_begin if self.mode == "reduce-overhead"
@@ -192,7 +174,7 @@ class TorchfnStep:
                 holder[0], _ = self.step(holder[0], *self.step.inputs)
             else:
                 holder[0], _ = self.step(holder[0], (x, y))
-        out = timeit(run, lambda: sync(device), reps)
+        out = timeit(run, lambda: sync_device(device), reps)
         if build_s is not None:
             out["first_call"] = build_s + out["first_call"]
         out["loss_finite"] = bool(torch.isfinite(

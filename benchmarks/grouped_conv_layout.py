@@ -10,27 +10,19 @@ of input and weight) per layout, with and without ``cudnn.benchmark``. CUDA only
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _bench import time_calls
 
 GROUPS = 32
 SHAPES = [(75, 64, 14), (75, 1, 28), (5, 64, 14), (75, 64, 7)]  # (batch, C_in/group, H=W)
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[repeats // 2] * 1e3
+    """Median of ``repeats`` synchronised calls of ``fn`` after one warm-up call, in ms."""
+    return time_calls(fn, "cuda", warmup=1, repeats=repeats).median_ms
 
 
 def measure(batch: int, cin: int, hw: int, fmt: torch.memory_format) -> tuple[float, float]:

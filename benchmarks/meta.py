@@ -52,16 +52,15 @@ import contextlib
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _bench import sync, time_calls
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -119,36 +118,27 @@ def loop_meta_grad(module: nn.Module, tasks: Task, inner_lr: float, steps: int
     return dict(zip(params, grads, strict=True))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timeit(fn: Callable[[], dict[str, Tensor]], warmup: int, repeats: int, device: torch.device,
            cudagraphs: bool) -> tuple[dict, dict[str, Tensor]]:
     """Return ``(timing record, the meta-gradient of the first call, cloned)``."""
     mark = torch.compiler.cudagraph_mark_step_begin if cudagraphs else (lambda: None)
-    t0 = time.perf_counter()
-    mark()
-    first = {k: v.detach().clone() for k, v in fn().items()}
-    sync(device)
-    first_s = time.perf_counter() - t0
-    for _ in range(warmup - 1):
+    first: list[dict[str, Tensor]] = []
+
+    def call() -> dict[str, Tensor]:
         mark()
-        fn()
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mark()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        out = fn()
+        if not first:  # the first call's meta-gradient, cloned before the next call reuses it
+            first.append({k: v.detach().clone() for k, v in out.items()})
+        return out
+
+    def reset_peak() -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    t = time_calls(call, device, warmup=warmup, repeats=repeats, before_repeats=reset_peak)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return ({"median_s": statistics.median(times), "times_s": times, "first_call_s": first_s,
-             "peak_bytes": peak}, first)
+    return ({"median_s": t.median_s, "times_s": t.times_s, "first_call_s": t.first_call_s,
+             "peak_bytes": peak}, first[0])
 
 
 def profile(fn: Callable[[], dict[str, Tensor]], device: torch.device, cudagraphs: bool,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import statistics
 import sys
 import time
 
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench import time_calls
 from meta import conv_net, make_tasks  # the benchmark's own net and tasks
 
 from torchfn.compile import inductor_options
@@ -89,14 +89,9 @@ def main() -> None:
 
     for tf32, bench in [(False, False), (True, False), (False, True), (False, False)]:
         torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = tf32, bench
-        times = []
-        for _ in range(12):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        print(f"cudnn tf32={tf32} benchmark={bench}: median "
-              f"{statistics.median(times[2:]) * 1e3:.2f} ms  "
-              f"{[round(t * 1e3, 1) for t in times[2:]]}", flush=True)
+        timing = time_calls(call, "cuda", warmup=2, repeats=10)
+        print(f"cudnn tf32={tf32} benchmark={bench}: median {timing.median_ms:.2f} ms  "
+              f"{[round(t * 1e3, 1) for t in timing.times_s]}", flush=True)
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = False, False
 
     from torch.profiler import ProfilerActivity, profile

@@ -22,7 +22,7 @@ CUDA timings use CUDA events after warm-up; CPU timings use perf_counter.
         --xent-shapes 4096x50257 --impls kernel-raw kernel twin-compiled   # one case, quickly
 
 Op 3 (``linear_grad_norms_sq``, ``clipped_linear_grad_sum``: inputs ``(B, [T,] d)`` pairs,
-GEMM-bound 3-D paths) has its own driver with the same columns, reusing ``_timer`` and
+GEMM-bound 3-D paths) has its own driver with the same columns, reusing ``_bench.event_median_ms`` and
 ``copy_bandwidth`` from here: ``python benchmarks/ops_ghost.py [--sweep]``.
 """
 
@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import write_json
+from _bench import event_median_ms, write_json
 
 from torchfn import ops
 from torchfn.ops import _activations, reference
@@ -53,34 +51,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 SLOPE = 0.01
 
 
-def _timer(device: torch.device, fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Return the median wall time of ``fn()`` in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def copy_bandwidth(device: torch.device, numel: int, warmup: int, repeats: int) -> float:
     """Return device-to-device copy bandwidth in GB/s (bytes read + written), fp32."""
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    ms = _timer(device, lambda: dst.copy_(src), warmup, repeats)
+    ms = event_median_ms(device, lambda: dst.copy_(src), warmup, repeats)
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
@@ -145,7 +120,7 @@ def _xent_rows(args: argparse.Namespace, device: torch.device, copy_gbs: float) 
 
     def record(name: str, dtype_name: str, pass_name: str, impl: str, numel: int,
                n_moves: float, elem: int, fn: Callable[[], object]) -> None:
-        ms = _timer(device, fn, args.warmup, args.repeats)
+        ms = event_median_ms(device, fn, args.warmup, args.repeats)
         gbs = n_moves * numel * elem / (ms * 1e-3) / 1e9
         rows.append({"op": name, "dtype": dtype_name, "pass": pass_name, "impl": impl,
                      "numel": numel, "ms": ms, "GB/s": gbs, "pct_copy": 100 * gbs / copy_gbs})
@@ -259,7 +234,7 @@ def run(args: argparse.Namespace) -> dict:
                 ("fwd+bwd", "twin-compiled", fwd_bwd(compiled_twin), 5),
             ]
             for pass_name, impl, fn, n_moves in impls:
-                ms = _timer(device, fn, args.warmup, args.repeats)
+                ms = event_median_ms(device, fn, args.warmup, args.repeats)
                 gbs = n_moves * numel * elem / (ms * 1e-3) / 1e9
                 rows.append({
                     "op": op_name, "dtype": dtype_name, "pass": pass_name, "impl": impl,
@@ -305,9 +280,9 @@ def sweep(args: argparse.Namespace) -> dict:
             row = {"op": op_name, "numel": numel}
             for impl, fwd, fn in [("kernel", fns["kernel_fwd"], fns["function"]),
                                   ("twin", fns["twin"], fns["twin"])]:
-                row[f"{impl}_fwd_ms"] = _timer(device, lambda f=fwd, x=x: f(x), args.warmup,
+                row[f"{impl}_fwd_ms"] = event_median_ms(device, lambda f=fwd, x=x: f(x), args.warmup,
                                                args.repeats)
-                row[f"{impl}_fwdbwd_ms"] = _timer(
+                row[f"{impl}_fwdbwd_ms"] = event_median_ms(
                     device, lambda f=fn, xr=xr, g=g: torch.autograd.grad(f(xr), xr, g),
                     args.warmup, args.repeats)
             rows.append(row)

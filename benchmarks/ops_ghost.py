@@ -36,8 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import write_json
-from ops import DTYPES, _timer, copy_bandwidth  # benchmarks/ops.py
+from _bench import event_median_ms, write_json
+from ops import DTYPES, copy_bandwidth  # benchmarks/ops.py
 
 from torchfn import ops
 from torchfn.ops import _ghost, reference
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
             in_bytes = (a.numel() + g.numel()) * a.element_size()
             for pass_name, impl, fn in impls:
                 try:
-                    ms = _timer(device, fn, args.warmup, args.repeats)
+                    ms = event_median_ms(device, fn, args.warmup, args.repeats)
                 except torch.OutOfMemoryError:
                     rows.append({"op": name, "dtype": dtype_name, "pass": pass_name,
                                  "impl": impl, "ms": float("nan"), "note": "out of memory"})
@@ -209,9 +209,9 @@ def sweep(args: argparse.Namespace) -> dict:
             row = {"op": family, "batch": batch, "numel_a": xs[0].numel()}
             for impl, fwd, fn in [("kernel", fns["kernel_fwd"], fns["function"]),
                                   ("twin", fns["twin"], fns["twin"])]:
-                row[f"{impl}_fwd_ms"] = _timer(device, lambda f=fwd, x=xs: f(*x),
+                row[f"{impl}_fwd_ms"] = event_median_ms(device, lambda f=fwd, x=xs: f(*x),
                                                args.warmup, args.repeats)
-                row[f"{impl}_fwdbwd_ms"] = _timer(
+                row[f"{impl}_fwdbwd_ms"] = event_median_ms(
                     device, lambda f=fn, x=leaves, w=w: torch.autograd.grad(f(*x), x, w),
                     args.warmup, args.repeats)
             rows.append(row)

@@ -25,7 +25,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,28 +32,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ops import _timer, copy_bandwidth  # benchmarks/ops.py
+from _bench import event_median_ms, time_calls
+from ops import copy_bandwidth  # benchmarks/ops.py
 
 from torchfn import ops
 from torchfn.ops import _dispatch, reference
 from torchfn.ops import _stacked_optim as so
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _wall(device: torch.device, fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Milliseconds per call of ``fn`` over a loop, host time included."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) * 1e3 / iters
+    """Milliseconds per call of ``fn`` over a loop of ``iters`` calls, host time included."""
+    return time_calls(fn, device, warmup=warmup, repeats=1, inner=iters).median_ms
 
 
 def leaf_rows(args: argparse.Namespace, device: torch.device, copy_gbs: float) -> list[dict]:
@@ -88,7 +76,7 @@ def leaf_rows(args: argparse.Namespace, device: torch.device, copy_gbs: float) -
                      ("twin", lambda t=twin, a=a: t(*a)),
                      ("twin-compiled", lambda c=compiled, a=a: c(*a))]
             for impl, fn in impls:
-                ms = _timer(device, fn, args.warmup, args.repeats)
+                ms = event_median_ms(device, fn, args.warmup, args.repeats)
                 gbs = bytes_per_elem * numel / (ms * 1e-3) / 1e9
                 rows.append({"part": "leaf", "op": name, "dtype": dtype_name, "pass": "fwd",
                              "impl": impl, "ms": ms, "GB/s": gbs,
@@ -109,7 +97,7 @@ def leaf_rows(args: argparse.Namespace, device: torch.device, copy_gbs: float) -
                 return run
 
             for impl, f in [("kernel", function), ("twin", twin), ("twin-compiled", compiled)]:
-                ms = _timer(device, fwd_bwd(f), args.warmup, args.repeats)
+                ms = event_median_ms(device, fwd_bwd(f), args.warmup, args.repeats)
                 rows.append({"part": "leaf", "op": name, "dtype": dtype_name,
                              "pass": "fwd+bwd", "impl": impl, "ms": ms, "GB/s": None,
                              "pct_copy": None})

@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
-import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -61,7 +59,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import write_json
+from _bench import time_calls, write_json
 
 from torchfn.compile import make_graphed_step
 from torchfn.functional import (
@@ -313,28 +311,11 @@ def max_rel_diff(got: dict[str, Any], ref: dict[str, Tensor]) -> float:
 
 def measure(fn: Callable[[], Any], device: torch.device, warmup: int,
             repeats: int) -> dict[str, float]:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    out = {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
-           "p90_ms": times[(9 * len(times)) // 10], "first_call_s": first}
+        torch.cuda.reset_peak_memory_stats(device)  # peak over all calls, the first included
+    t = time_calls(fn, device, warmup=warmup, repeats=repeats)
+    out = {"median_ms": t.median_ms, "p10_ms": t.quantile_s(0.1) * 1e3,
+           "p90_ms": t.quantile_s(0.9) * 1e3, "first_call_s": t.first_call_s}
     if device.type == "cuda":
         out["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out

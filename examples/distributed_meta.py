@@ -137,6 +137,8 @@ state = init_meta_state(learner, params, buffers, opt)
 step = make_distributed_meta_train_step(learner, opt)
 if args.compile:
     step = torch.compile(step, fullgraph=True)
+    if info.rank == 0:
+        print("compiling the outer step (first call, tens of seconds)...", flush=True)
 
 running = torch.zeros((), device=info.device)  # meta-loss summed since the last print
 for t in range(args.steps):

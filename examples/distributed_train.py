@@ -67,6 +67,8 @@ if args.resume:  # written on any world size: the state is replicated
 step = make_data_parallel_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=1.0)
 if args.compile:
     step = torch.compile(step, fullgraph=True)
+    if info.rank == 0:
+        print("compiling the step (first call, tens of seconds)...", flush=True)
 
 for epoch in range(start_epoch, start_epoch + args.epochs):
     dataset.set_epoch(epoch)

@@ -5,12 +5,17 @@ compares the ensemble's accuracy / NLL / ECE with its members', then trains 8 le
 (per-member ``(N,)`` lr of ``stacked_adam``) as another ensemble. Prints a table and saves a
 plot. Needs scikit-learn and matplotlib. Runs in well under a minute on a CPU.
 
-    python examples/ensemble_digits.py [--out ensemble_digits.png] [--epochs 30]
+    python examples/ensemble_digits.py [--out DIR] [--epochs 30]
+
+The plot goes to ``DIR/ensemble_digits.png`` (``DIR`` defaults to a folder under the system's
+temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 
 import torch
@@ -69,10 +74,14 @@ def train(seeds: list[int], lr: torch.Tensor, data: tuple[torch.Tensor, ...], ep
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="ensemble_digits.png")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "torchfn_out",
+                                                      "ensemble_digits"),
+                        help="output directory (the plot goes there)")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--members", type=int, default=8)
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    print(f"output directory: {args.out}")
     torch.manual_seed(0)
     data = load_data()
     yte = data[3]
@@ -120,8 +129,9 @@ def main() -> None:
     ax2.set(xlabel="learning rate", ylabel="test accuracy", title="final test accuracy")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
-    print(f"\nplot saved to {args.out}")
+    plot_path = os.path.join(args.out, "ensemble_digits.png")
+    fig.savefig(plot_path, dpi=120)
+    print(f"\nplot saved to {plot_path}")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,16 @@ which bigger batches stop paying off; it typically grows as the loss falls. The 
 checked once against the same quantities computed from explicitly materialised per-sample
 gradients. Prints a table; saves a plot (loss/accuracy, B_simple, per-example norm
 distribution, the examples with the largest gradient norms).
-Run: ``python examples/gradient_noise_scale.py [--out /tmp/gradient_noise_scale.png]``
+Run: ``python examples/gradient_noise_scale.py [--out DIR]`` (the plot goes to
+``DIR/gradient_noise_scale.png``; ``DIR`` defaults to a folder under the system's temporary
+directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
 import matplotlib
 
@@ -39,12 +43,16 @@ from torchfn.persample import (
 )
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--out", default="/tmp/gradient_noise_scale.png", help="plot path")
+parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "torchfn_out",
+                                                  "gradient_noise_scale"),
+                    help="output directory (the plot goes there)")
 parser.add_argument("--epochs", type=int, default=12)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--stats-batch", type=int, default=512)
 parser.add_argument("--stats-every", type=int, default=10, help="steps between estimates")
 args = parser.parse_args()
+os.makedirs(args.out, exist_ok=True)
+print(f"output directory: {args.out}")
 
 images, labels = load_digits(return_X_y=True)
 X = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
@@ -152,5 +160,6 @@ for k, i in enumerate(hardest):
     sub.set_title(f"{int(Y_train[i])}, {float(mean_norm[i]):.2f}", fontsize=9)
     sub.axis("off")
 fig.tight_layout()
-fig.savefig(args.out, dpi=120)
-print(f"\nplot saved to {args.out}")
+plot_path = os.path.join(args.out, "gradient_noise_scale.png")
+fig.savefig(plot_path, dpi=120)
+print(f"\nplot saved to {plot_path}")

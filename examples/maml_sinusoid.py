@@ -43,6 +43,7 @@ def main() -> None:
     step = make_meta_train_step(learner, opt)
     if args.compile:
         step = torch.compile(step, fullgraph=True)
+        print("compiling the outer step (first call, ~10 s on a CPU)...", flush=True)
     gen = torch.Generator().manual_seed(args.seed)
 
     # pretrained baseline: ordinary regression on the pooled tasks, same number of steps

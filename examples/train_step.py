@@ -51,6 +51,7 @@ step = make_train_step(
 )
 if not args.eager:
     step = torch.compile(step, fullgraph=True)
+    print("compiling the step (first call, ~10 s on a CPU)...", flush=True)
 
 state = init_train_state(params, buffers, optimizer, seed=0)
 start = time.perf_counter()
