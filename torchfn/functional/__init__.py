@@ -13,6 +13,10 @@ from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
 from torchfn.functional._checkpoint import CheckpointError as CheckpointError
 from torchfn.functional._checkpoint import load_checkpoint as load_checkpoint
 from torchfn.functional._checkpoint import save_checkpoint as save_checkpoint
+from torchfn.functional._core import StepOptions as StepOptions
+from torchfn.functional._core import apply_gradients as apply_gradients
+from torchfn.functional._core import check_optimizer as check_optimizer
+from torchfn.functional._core import split_batch as split_batch
 from torchfn.functional._dp_sampling import PoissonSampler as PoissonSampler
 from torchfn.functional._dpsgd import ClippedSum as ClippedSum
 from torchfn.functional._dpsgd import DPState as DPState
@@ -87,10 +91,13 @@ __all__ = [
     "NormHistory",
     "PoissonSampler",
     "RDPAccountant",
+    "StepOptions",
     "TrainState",
     "adam",
     "adamw",
+    "apply_gradients",
     "check_ghost_coverage",
+    "check_optimizer",
     "compute_rdp",
     "empirical_ntk",
     "functional_batch_norm",
@@ -117,6 +124,7 @@ __all__ = [
     "save_checkpoint",
     "scale_by_adam",
     "single_sample_fn",
+    "split_batch",
     "step_rng",
     "tree_add",
     "tree_add_scaled",
