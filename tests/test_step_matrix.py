@@ -53,6 +53,7 @@ from torchfn.functional import (
     make_functional,
     make_train_step,
 )
+from torchfn.meta import Task, fomaml, init_meta_state, make_meta_train_step, maml
 
 LR, WD = 0.05, 0.1
 STEPS = 3
@@ -164,6 +165,13 @@ def _close(cfg: dict) -> dict:
     return ({"rtol": 1e-3, "atol": 1e-4} if cfg["amp"] else {"rtol": 1e-9, "atol": 1e-11})
 
 
+def _close_batched(cfg: dict) -> dict:
+    """Tolerance where torchfn batches (vmap over members / tasks) what the reference loops:
+    batched half-precision matmuls round differently, so AMP cells compare within bf16/fp16
+    tolerance (the float64 cells stay tight)."""
+    return {"rtol": 1e-2, "atol": 5e-3} if cfg["amp"] else _close(cfg)
+
+
 def _check_metrics(cfg: dict, metrics_per_step: list, skipped_ref: list, member=None) -> None:
     for t, m in enumerate(metrics_per_step):
         sk = m["skipped"] if member is None else m["skipped"][member]
@@ -263,10 +271,7 @@ def test_ensemble(feature: str) -> None:
     for i, net in enumerate(nets):
         ref, skipped = _reference(net, [(x[i], y[i]) for x, y in batches], cfg)
         for n, p in ref.named_parameters():
-            # AMP: the vmapped (batched) matmuls round differently from the per-member loop,
-            # so the bf16/fp16 cells compare within half-precision tolerance
-            close = {"rtol": 1e-2, "atol": 5e-3} if cfg["amp"] else _close(cfg)
-            torch.testing.assert_close(state.params[n][i], p.detach(), **close,
+            torch.testing.assert_close(state.params[n][i], p.detach(), **_close_batched(cfg),
                                        msg=f"member {i} {n}")
         _check_metrics(cfg, metrics, skipped, member=i)
         assert int(state.skipped[i]) == sum(skipped)
@@ -276,6 +281,103 @@ def test_ensemble(feature: str) -> None:
         frozen = ["0.weight"] if feature == "frozen" else ["2.weight", "2.bias"]
         for n in frozen:
             assert torch.equal(state.params[n], ens.params[n])
+
+
+# -- meta (MAML outer step) ---------------------------------------------------------------------
+
+INNER_LR = 0.1
+
+
+def _tasks(cfg: dict, seed: int = 3) -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(STEPS):
+        f = [torch.randn(4, 5, d, generator=g, dtype=cfg["dtype"]) for d in (4, 3, 4, 3)]
+        if t == cfg["nan_step"]:
+            f[2] = f[2].clone()
+            f[2][0, 0, 0] = float("nan")
+        if t == cfg["overflow_step"]:
+            f[3] = f[3] * 1e6
+        out.append(Task(*f))
+    return out
+
+
+def _meta_reference(module: nn.Module, tasks: list, cfg: dict, first_order: bool
+                    ) -> tuple[dict, list[bool]]:
+    """Per-task MAML loop: autograd.grad(create_graph=True) inner step, torch.optim outer."""
+    m = copy.deepcopy(module)
+    train = {n: (cfg["trainable"](n) if cfg["trainable"] is not None else p.requires_grad)
+             for n, p in m.named_parameters()}
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in m.named_parameters()}
+    opt = torch.optim.AdamW([params[n] for n in params if train[n]], lr=LR, weight_decay=WD)
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg["amp"])
+    scale, skipped = 2.0**8, []
+    for t, batch in enumerate(tasks):
+        opt.zero_grad()
+        k = cfg["accum"]
+        for part in zip(*(f.chunk(k) for f in batch), strict=True):
+            sx, sy, qx, qy = part
+            losses = []
+            with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+                for i in range(sx.shape[0]):
+                    inner = F.mse_loss(torch.func.functional_call(m, params, sx[i]), sy[i])
+                    gs = torch.autograd.grad(inner, list(params.values()),
+                                             create_graph=not first_order)
+                    fast = {n: p - INNER_LR * g for (n, p), g in zip(params.items(), gs,
+                                                                     strict=True)}
+                    out = torch.func.functional_call(m, fast, qx[i])
+                    losses.append(F.mse_loss(out, qy[i]).float())
+            loss = torch.stack(losses).mean()
+            (loss * (scale if cfg["amp"] == "fp16" else 1.0) / k).backward()
+        ps = [params[n] for n in params if train[n]]
+        if cfg["amp"] == "fp16":
+            for p in ps:
+                p.grad /= scale
+        finite = all(torch.isfinite(p.grad).all() for p in ps) and bool(torch.isfinite(loss))
+        skipped.append(not finite)
+        if not finite:
+            scale /= 2
+            continue
+        if cfg["clip_value"] is not None:
+            torch.nn.utils.clip_grad_value_(ps, cfg["clip_value"])
+        if cfg["max_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(ps, cfg["max_norm"])
+        if cfg["sched"]:
+            for group in opt.param_groups:
+                group["lr"] = float(_sched(torch.tensor(t)))
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}, skipped
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_meta(feature: str) -> None:
+    cfg = _setup(feature)
+    # second-order MAML, except fp16 (the scaled outer loss, first order: the reference's
+    # second-order fp16 backward and torch.func's round differently)
+    first_order = feature == "fp16"
+    net = _net(cfg["dtype"], freeze=cfg["freeze"])
+    model_fn, params, buffers = make_functional(net)
+    learner = (fomaml if first_order else maml)(model_fn, F.mse_loss, inner_lr=INNER_LR)
+    opt = _optimizer(cfg)
+    state = _fp16_state(init_meta_state(learner, params, buffers, opt,
+                                        trainable=cfg["trainable"]), cfg)
+    step = make_meta_train_step(learner, opt, **_step_kwargs(cfg))
+    tasks = _tasks(cfg)
+    metrics = []
+    for b in tasks:
+        state, m = step(state, b)
+        metrics.append(m)
+    ref, skipped = _meta_reference(net, tasks, cfg, first_order)
+    for n, p in ref.items():
+        torch.testing.assert_close(state.params[n], p, **_close_batched(cfg), msg=n)
+        assert torch.isfinite(state.params[n]).all()
+    _check_metrics(cfg, metrics, skipped)
+    assert int(state.skipped) == sum(skipped)
+    if feature in ("frozen", "trainable"):
+        frozen = ["0.weight"] if feature == "frozen" else ["2.weight", "2.bias"]
+        for n in frozen:
+            assert torch.equal(state.params[n], params[n])
+            assert n not in state.opt_state[0].mu
 
 
 # -- optimizer type errors, every step kind ------------------------------------------------------
@@ -315,7 +417,12 @@ def re_where(where: str) -> str:
 
 
 def _more_wrong_optimizer_calls(bad) -> dict:
-    return {}
+    model_fn, params, buffers = make_functional(_net(torch.float64))
+    learner = maml(model_fn, F.mse_loss)
+    return {
+        "make_meta_train_step": lambda: make_meta_train_step(learner, bad),
+        "init_meta_state": lambda: init_meta_state(learner, params, buffers, bad),
+    }
 
 
 # -- the core on its own ------------------------------------------------------------------------
