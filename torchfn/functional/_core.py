@@ -418,6 +418,7 @@ def apply_gradients(
     loss: Tensor | None = None,
     buffers: Mapping[str, Tensor] | None = None,
     per_member: bool = False,
+    unscale: bool = True,
     where: str = "apply_gradients",
 ) -> tuple[Any, dict[str, Tensor]]:
     """Return ``(new_state, metrics)``: ``grads`` applied to ``state`` by ``optimizer``.
@@ -435,6 +436,8 @@ def apply_gradients(
     and ``opt_state`` keep their old values, ``loss_scale`` backs off, ``skipped`` counts it.
     ``step`` advances either way. With ``per_member=True`` every leaf has a member axis dim 0
     (ensembles): norms, clipping, the guard and the loss scale are per member (``(N,)``).
+    ``unscale=False``: the grads are unscaled already (DP-SGD unscales per sample, before
+    clipping); the loss scale is still updated.
 
     ``metrics`` (0-d, or ``(N,)`` per member): ``grad_norm`` (before clipping), ``loss`` if
     given, ``skipped`` (bool) if guarded, ``loss_scale`` for fp16, ``lr`` if
@@ -462,7 +465,7 @@ def apply_gradients(
     if opts.fp16 and loss_scale is None:
         raise ValueError(f"{where}: amp='fp16' needs a loss_scale in the state; build the "
                          "state with its init function (init_train_state, init_dp_state, ...)")
-    if opts.fp16:
+    if opts.fp16 and unscale:
         assert loss_scale is not None
         g = _scale_tree(g, 1.0 / loss_scale.scale, per_member)
 
