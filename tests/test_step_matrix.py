@@ -24,6 +24,10 @@ Cells that do not exist, and why:
   (tested as the reference itself); the noisy mean is not clipped again.
 - dp x value clipping: an elementwise clamp after the noise would be post-processing of the
   noisy gradient (allowed by DP) but changes nothing a researcher asks for; not offered.
+- dist x ensemble: the distributed ensemble has no step of its own (each rank runs
+  make_ensemble_train_step on its members, no communication); the ensemble row covers it.
+- dist rows run the distributed twins (data-parallel train step, distributed meta step,
+  DistributedDPStep) on a world of one gloo process, in-process.
 - meta x fp16 overflow uses first-order MAML (the scaled outer loss; the inner loop runs
   unscaled in fp16).
 """
@@ -35,10 +39,16 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torchopt
 from torch import nn
 
+from torchfn.distributed import (
+    DistributedDPStep,
+    make_data_parallel_train_step,
+    make_distributed_meta_train_step,
+)
 from torchfn.ensembles import (
     Ensemble,
     init_ensemble_state,
@@ -59,6 +69,21 @@ from torchfn.functional import (
 from torchfn.meta import Task, fomaml, init_meta_state, make_meta_train_step, maml
 
 LR, WD = 0.05, 0.1
+KINDS = ["local", "dist"]
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest):
+    """For ``kind == "dist"``: a world of one gloo process, in this process (no spawning)."""
+    if request.node.callspec.params.get("kind") != "dist":
+        yield None
+        return
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 STEPS = 3
 FEATURES = ["frozen", "trainable", "bf16", "fp16", "accum", "clip_norm", "clip_value", "lr",
             "nonfinite"]
@@ -201,8 +226,9 @@ def _fp16_state(state, cfg):
     return state
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("feature", FEATURES)
-def test_train(feature: str) -> None:
+def test_train(feature: str, kind: str, world) -> None:
     cfg = _setup(feature)
     net = _net(cfg["dtype"], freeze=cfg["freeze"])
     batches = _batches(cfg)
@@ -210,7 +236,11 @@ def test_train(feature: str) -> None:
     opt = _optimizer(cfg)
     trainable = cfg["trainable"] if cfg["trainable"] is not None else model_fn.trainable
     state = _fp16_state(init_train_state(params, buffers, opt, seed=0, trainable=trainable), cfg)
-    step = make_train_step(model_fn, F.mse_loss, opt, **_step_kwargs(cfg))
+    if kind == "dist":
+        step = make_data_parallel_train_step(model_fn, F.mse_loss, opt, group=world,
+                                             **_step_kwargs(cfg))
+    else:
+        step = make_train_step(model_fn, F.mse_loss, opt, **_step_kwargs(cfg))
     metrics = []
     for b in batches:
         state, m = step(state, b)
@@ -355,8 +385,9 @@ def _meta_reference(module: nn.Module, tasks: list, cfg: dict, first_order: bool
     return {n: p.detach() for n, p in params.items()}, skipped
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("feature", FEATURES)
-def test_meta(feature: str) -> None:
+def test_meta(feature: str, kind: str, world) -> None:
     cfg = _setup(feature)
     # second-order MAML, except fp16 (the scaled outer loss, first order: the reference's
     # second-order fp16 backward and torch.func's round differently)
@@ -367,7 +398,10 @@ def test_meta(feature: str) -> None:
     opt = _optimizer(cfg)
     state = _fp16_state(init_meta_state(learner, params, buffers, opt,
                                         trainable=cfg["trainable"]), cfg)
-    step = make_meta_train_step(learner, opt, **_step_kwargs(cfg))
+    if kind == "dist":
+        step = make_distributed_meta_train_step(learner, opt, group=world, **_step_kwargs(cfg))
+    else:
+        step = make_meta_train_step(learner, opt, **_step_kwargs(cfg))
     tasks = _tasks(cfg)
     metrics = []
     for b in tasks:
@@ -437,8 +471,9 @@ def _dp_reference(module: nn.Module, batches: list, cfg: dict) -> tuple[dict, li
     return {n: p.detach() for n, p in params.items()}, skipped
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("feature", DP_FEATURES)
-def test_dp(feature: str) -> None:
+def test_dp(feature: str, kind: str, world) -> None:
     cfg = _setup(feature)
     net = _net(cfg["dtype"], freeze=cfg["freeze"], whole_layer=True)
     ghost, params, buffers = make_ghost_model(net)
@@ -450,6 +485,7 @@ def test_dp(feature: str) -> None:
         kw["trainable"] = cfg["trainable"]
     step = make_dp_train_step(ghost, _per_sample_loss, opt, noise_multiplier=0.0,
                               max_grad_norm=DP_C, sample_rate=DP_Q, dataset_size=DP_N, **kw)
+    run = DistributedDPStep(step, group=world) if kind == "dist" else step
     batches = _batches(cfg)
     valid = torch.ones(8, dtype=torch.bool)
     metrics = []
@@ -457,9 +493,9 @@ def test_dp(feature: str) -> None:
         if cfg["accum"] > 1:  # two physical batches of one logical step
             parts = [step.clipped_sum(state, (x[i:i + 4], y[i:i + 4]), valid[:4])
                      for i in (0, 4)]
-            state, m = step.apply(state, step.add(*parts))
+            state, m = run.apply(state, step.add(*parts))
         else:
-            state, m = step(state, (x, y), valid)
+            state, m = run(state, (x, y), valid)
         metrics.append(m)
     ref, skipped = _dp_reference(net, batches, cfg)
     for n, p in ref.items():
