@@ -600,3 +600,48 @@ def test_compiled_train_step_with_new_features_does_not_recompile() -> None:
             torch.testing.assert_close(state.params, eager.params)
     assert int(state.skipped) == 1 and bool(m["skipped"]) is False
     assert torch.equal(state.params["0.weight"], params["0.weight"])
+
+
+def _no_recompile(step, state, batches, extra=()):
+    """Run ``step`` compiled (fullgraph) and eager on ``batches``; assert equal, no recompiles."""
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    eager = state
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in batches:
+            state, m = compiled(state, batch, *extra)
+            eager, _ = step(eager, batch, *extra)
+            # eager ensembles take the autograd fast path, compiled ones vmap(grad): fp16 rounds
+            torch.testing.assert_close(state.params, eager.params, rtol=1e-3, atol=1e-3)
+    return state, m
+
+
+def test_compiled_ensemble_meta_dp_steps_with_new_features_do_not_recompile() -> None:
+    cfg = _setup("nonfinite") | {"dtype": torch.float32}
+    # ensemble: frozen, fp16 loss scale, per-member clipping, accumulation, NaN in member 0
+    ens = Ensemble.from_modules([_net(torch.float32, seed=s, freeze=True) for s in range(N)])
+    opt = adamw(LR, weight_decay=WD)
+    step = make_ensemble_train_step(ens.model_fn, F.mse_loss, opt, amp="fp16", clip_value=0.5,
+                                    max_grad_norm=1.0, grad_accum_steps=2)
+    batches = _batches(cfg, lead=(N,))
+    # loss scale 2**8: far from fp16 overflow, so both gradient paths agree on what is finite
+    state = init_ensemble_state(ens, opt, seed=0, loss_scale=2.0**8)
+    state, m = _no_recompile(step, state, batches)
+    assert state.skipped.tolist() == [1, 0]  # the NaN is in member 0's batch only
+    assert torch.equal(state.params["0.weight"], ens.params["0.weight"])
+    # meta: first-order MAML, task micro-batches, clipping, lr metric, a NaN task
+    model_fn, params, buffers = make_functional(_net(torch.float32, freeze=True))
+    learner = fomaml(model_fn, F.mse_loss, inner_lr=INNER_LR)
+    step = make_meta_train_step(learner, opt, grad_accum_steps=2, max_grad_norm=1.0,
+                                lr_schedule=LR)
+    state, m = _no_recompile(step, init_meta_state(learner, params, buffers, opt), _tasks(cfg))
+    assert int(state.skipped) == 1 and "lr" in m
+    # DP: frozen layer (no noise, no update), lr metric, a NaN example skips the step
+    ghost, params, buffers = make_ghost_model(_net(torch.float32, freeze=True, whole_layer=True))
+    step = make_dp_train_step(ghost, _per_sample_loss, opt, noise_multiplier=1.0,
+                              max_grad_norm=DP_C, sample_rate=DP_Q, dataset_size=DP_N,
+                              lr_schedule=LR)
+    state = init_dp_state(params, buffers, opt, seed=0, trainable=ghost.trainable)
+    state, m = _no_recompile(step, state, [(x[0], y[0]) for x, y in batches],
+                             extra=(torch.ones(8, dtype=torch.bool),))
+    assert int(state.skipped) == 1
+    assert torch.equal(state.params["0.weight"], params["0.weight"])
