@@ -133,6 +133,7 @@ class StepOptions:
         skip_nonfinite: skip a step whose loss or gradients are not finite (params, buffers,
             optimizer state keep their old values; counted in ``metrics["skipped"]`` and the
             state's ``skipped``). Costs no host sync. fp16 always skips such steps.
+        where: the call named in error messages (e.g. ``"make_train_step"``).
 
     Example:
         >>> from torchfn.functional import StepOptions

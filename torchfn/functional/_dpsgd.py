@@ -428,7 +428,9 @@ def make_dp_train_step(
     The shared step features (:class:`StepOptions`, applied by :func:`apply_gradients`):
     frozen params (``ghost.frozen``, and an optional ``trainable`` filter) get no noise and no
     update -- build the state with ``init_dp_state(..., trainable=ghost.trainable)`` so weight
-    decay cannot reach them either; ``amp='bf16'`` runs the ghost forward/backward under
+    decay cannot reach them either (params left out only by ``trainable`` still count in the
+    per-sample norms, which is conservative for privacy; freeze them in the module,
+    ``requires_grad=False``, to leave them out of the norms and the backward too); ``amp='bf16'`` runs the ghost forward/backward under
     autocast; ``amp='fp16'`` also multiplies the per-sample losses by the dynamic loss scale
     (``state.loss_scale``) and unscales the per-sample norms before clipping;
     ``lr_schedule`` adds ``metrics["lr"]``; ``skip_nonfinite`` (default on) skips a step
