@@ -111,7 +111,7 @@ def test_grad_norm_false_skips_only_the_metric() -> None:
     for t in range(3):
         a, m_a = with_norm(a, data(t))
         b, m_b = without(b, data(t))
-    assert sorted(m_b) == ["loss"] and sorted(m_a) == ["grad_norm", "loss"]
+    assert sorted(m_b) == ["loss", "skipped"] and sorted(m_a) == ["grad_norm", "loss", "skipped"]
     torch.testing.assert_close(m_b["loss"], m_a["loss"], rtol=0, atol=0)
     for k in a.params:
         torch.testing.assert_close(b.params[k], a.params[k], rtol=0, atol=0)

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torchopt
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
@@ -15,7 +14,7 @@ from torchfn._checks import _check_rank
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
 from torchfn.functional import TrainState
-from torchfn.meta import MetaLearner, Task
+from torchfn.meta import MetaLearner, Task, make_meta_train_step
 
 __all__ = ["make_distributed_meta_train_step", "shard_tasks"]
 
@@ -50,16 +49,20 @@ def make_distributed_meta_train_step(
     *,
     group: ProcessGroup | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
+    **meta_step_kwargs: Any,
 ) -> Callable[[TrainState, Task], tuple[TrainState, dict[str, Tensor]]]:
-    """Return ``step(state, local_tasks) -> (new_state, {"loss"})``: one distributed outer update.
+    """Return ``step(state, local_tasks) -> (new_state, metrics)``: one distributed outer update.
 
-    The distributed twin of :func:`torchfn.meta.make_meta_train_step`: each rank computes
-    :meth:`MetaLearner.meta_grad` over its ``local_tasks`` (``T / W`` tasks, task dim 0, e.g.
-    :func:`shard_tasks`; every rank the same count), the meta-gradients, the meta-loss and the
-    floating-point buffers are averaged over the ranks in one bucketed all-reduce, and the
-    outer ``optimizer`` updates the replicated state. Equal to the single-process step over
-    all ``T`` tasks (up to float rounding); integer buffers stay as each rank computed them.
-    Pure; compiles with ``torch.compile(step, fullgraph=True)``.
+    The distributed twin of :func:`torchfn.meta.make_meta_train_step` (every keyword of it
+    passes through: ``max_grad_norm``, ``amp``, ``trainable``, ``grad_accum_steps``, ...):
+    each rank computes :meth:`MetaLearner.meta_grad` over its ``local_tasks`` (``T / W``
+    tasks, task dim 0, e.g. :func:`shard_tasks`; every rank the same count), the
+    meta-gradients are averaged over the ranks (a bucketed all-reduce, before unscaling,
+    clipping and the non-finite check, so every rank takes the same decision), the outer
+    ``optimizer`` updates the replicated state, and the meta-loss and floating-point buffers
+    are averaged too. Equal to the single-process step over all ``T`` tasks (up to float
+    rounding); integer buffers stay as each rank computed them. Pure; compiles with
+    ``torch.compile(step, fullgraph=True)``.
 
     Example::
 
@@ -69,22 +72,23 @@ def make_distributed_meta_train_step(
     if not isinstance(learner, MetaLearner):
         raise TypeError(f"make_distributed_meta_train_step(learner, ...): expected a "
                         f"MetaLearner, got {type(learner).__name__}")
+    if "grad_transform" in meta_step_kwargs:
+        raise TypeError("make_distributed_meta_train_step(grad_transform=...): the distributed "
+                        "step sets grad_transform itself (the all-reduce)")
     world_info(group, "make_distributed_meta_train_step")
 
+    def reduce(grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        return all_reduce_tree(grads, op="mean", group=group, bucket_mb=bucket_mb)
+
+    inner = make_meta_train_step(learner, optimizer, grad_transform=reduce, **meta_step_kwargs)
+
     def step(state: TrainState, tasks: Task) -> tuple[TrainState, dict[str, Any]]:
-        grads, loss, buffers = learner.meta_grad(state.params, state.buffers, tasks)
-        packed = {f"grad/{k}": v for k, v in grads.items()}
-        packed["loss"] = loss
-        packed.update({f"buffer/{k}": v for k, v in buffers.items()
-                       if torch.is_floating_point(v)})
-        red = all_reduce_tree(packed, op="mean", group=group, bucket_mb=bucket_mb)
-        grads = {k: red[f"grad/{k}"] for k in grads}
-        buffers = {k: red.get(f"buffer/{k}", v) for k, v in buffers.items()}
-        updates, opt_state = optimizer.update(grads, state.opt_state, params=state.params,
-                                              inplace=False)
-        params = torchopt.apply_updates(state.params, updates, inplace=False)
-        new_state = state._replace(params=params, buffers=buffers, opt_state=opt_state,
-                                   step=state.step + 1)
-        return new_state, {"loss": red["loss"]}
+        new_state, metrics = inner(state, tasks)
+        small = {"loss": metrics["loss"]}
+        small.update({f"buffer/{k}": v for k, v in new_state.buffers.items()
+                      if torch.is_floating_point(v)})
+        red = all_reduce_tree(small, op="mean", group=group, bucket_mb=bucket_mb)
+        buffers = {k: red.get(f"buffer/{k}", v) for k, v in new_state.buffers.items()}
+        return new_state._replace(buffers=buffers), {**metrics, "loss": red["loss"]}
 
     return step

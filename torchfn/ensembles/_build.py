@@ -134,7 +134,9 @@ class Ensemble:
 
     Attributes: ``model_fn`` (a :class:`torchfn.functional.FunctionalModel`), ``params`` and
     ``buffers`` (``dict[str, Tensor]`` keyed like ``named_parameters()``, every leaf
-    ``(N, ...)``), ``n_members``. Build it with :meth:`from_modules` or :meth:`from_seeds`;
+    ``(N, ...)``), ``n_members``, ``frozen`` / ``trainable`` (param names whose
+    ``requires_grad`` was False / True in the modules; training updates only ``trainable``).
+    Build it with :meth:`from_modules` or :meth:`from_seeds`;
     call it on a shared batch ``(B, ...)`` or per-member batches ``(N, B, ...)``; get members
     back as ``nn.Module`` s with :meth:`member` / :meth:`members`. Training is
     :func:`make_ensemble_train_step` over ``init_ensemble_state(ens, optimizer, ...)``.
@@ -159,6 +161,16 @@ class Ensemble:
         self.model_fn = model_fn
         self.params = params
         self.buffers = buffers
+
+    @property
+    def frozen(self) -> tuple[str, ...]:
+        """Names of the params frozen in the modules (``requires_grad=False``)."""
+        return tuple(getattr(self.model_fn, "frozen", ()))
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        """Names of the params the training step updates (all but :attr:`frozen`)."""
+        return tuple(k for k in self.params if k not in self.frozen)
 
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module], *,

@@ -8,6 +8,10 @@ from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
 from torchfn.functional._checkpoint import CheckpointError as CheckpointError
 from torchfn.functional._checkpoint import load_checkpoint as load_checkpoint
 from torchfn.functional._checkpoint import save_checkpoint as save_checkpoint
+from torchfn.functional._core import StepOptions as StepOptions
+from torchfn.functional._core import apply_gradients as apply_gradients
+from torchfn.functional._core import check_optimizer as check_optimizer
+from torchfn.functional._core import split_batch as split_batch
 from torchfn.functional._pytree import tree_add as tree_add
 from torchfn.functional._pytree import tree_add_scaled as tree_add_scaled
 from torchfn.functional._pytree import tree_dot as tree_dot
@@ -41,7 +45,10 @@ __all__ = [
     "DynamicLossScaler",
     "FunctionalModel",
     "LossScaleState",
+    "StepOptions",
     "TrainState",
+    "apply_gradients",
+    "check_optimizer",
     "empirical_ntk",
     "functional_batch_norm",
     "hessian_diagonal",
@@ -56,6 +63,7 @@ __all__ = [
     "replace_batchnorm",
     "save_checkpoint",
     "single_sample_fn",
+    "split_batch",
     "step_rng",
     "tree_add",
     "tree_add_scaled",

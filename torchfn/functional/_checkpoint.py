@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torchopt.base import GradientTransformation
 
+from torchfn.functional._core import StepOptions
 from torchfn.functional._train_step import LossScaleState, TrainState
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
@@ -339,6 +340,7 @@ def save_checkpoint(
                 "scale": state.loss_scale.scale,
                 "growth_tracker": state.loss_scale.growth_tracker,
             },
+            **({} if state.skipped is None else {"skipped": state.skipped}),
         },
         "extra": _encode(extra, "extra"),
     }
@@ -367,6 +369,7 @@ def load_checkpoint(
     *,
     map_location: Any = None,
     optimizer: GradientTransformation | None = None,
+    trainable: Any = None,
 ) -> tuple[TrainState, dict[str, Any] | None]:
     """Return ``(state, extra)`` read from a checkpoint written by :func:`save_checkpoint`.
 
@@ -374,7 +377,8 @@ def load_checkpoint(
     :class:`TrainState` and the torchopt state NamedTuples. With ``optimizer`` given, the
     optimizer state is rebuilt on the template ``optimizer.init(params)`` and every leaf's
     shape/dtype is checked against it (needed when the state holds classes from outside
-    torchopt/torchfn). ``step`` and ``seed`` always come back on the CPU. ``extra`` is what was
+    torchopt/torchfn); ``trainable`` (as given to :func:`init_train_state`) restricts that
+    template to the trained params. ``step`` and ``seed`` always come back on the CPU. ``extra`` is what was
     saved (``None`` if nothing was). Raises ``FileNotFoundError`` for a missing file and
     :class:`CheckpointError` for a corrupt one or one of another format, naming the path.
 
@@ -414,7 +418,9 @@ def load_checkpoint(
         params = _decode(stored["params"], "state.params", path)
         buffers = _decode(stored["buffers"], "state.buffers", path)
         if optimizer is not None:
-            template = optimizer.init(params)
+            names = StepOptions(trainable=trainable, where="load_checkpoint").trainable_names(
+                params)
+            template = optimizer.init({k: params[k] for k in names})
             opt_state = _decode_like(stored["opt_state"], template, "state.opt_state", path)
         else:
             opt_state = _decode(stored["opt_state"], "state.opt_state", path)
@@ -428,6 +434,8 @@ def load_checkpoint(
                 scale=stored["loss_scale"]["scale"],
                 growth_tracker=stored["loss_scale"]["growth_tracker"],
             ),
+            # checkpoints written before the skipped counter existed start it at 0
+            skipped=stored.get("skipped", torch.zeros_like(stored["loss_scale"]["growth_tracker"])),
         )
         extra = _decode(payload["extra"], "extra", path)
     except (KeyError, TypeError, AttributeError) as e:

@@ -73,7 +73,9 @@ class FunctionalModel:
     Built by :func:`make_functional`. ``new_buffers`` has the keys of ``buffers``: a buffer
     the forward reassigned comes back as the new tensor, others come back as the given
     object. Attributes: ``param_names`` and ``buffer_names`` (tuples, ``named_parameters()``
-    order, tied aliases removed), ``training``; ``train()``/``eval()`` return a new
+    order, tied aliases removed), ``frozen`` and ``trainable`` (the param names whose
+    ``requires_grad`` was False / True in the module: torchfn's steps built from this
+    ``model_fn`` train only ``trainable``), ``training``; ``train()``/``eval()`` return a new
     FunctionalModel in that mode; ``to_module(params, buffers)`` gives back an ordinary
     ``nn.Module``. One call at a time per object (the private module copy is borrowed for the
     call): give each thread its own ``copy.deepcopy(model_fn)``.
@@ -84,6 +86,12 @@ class FunctionalModel:
         self._layout = layout
         self.param_names: tuple[str, ...] = tuple(layout.param_specs)
         self.buffer_names: tuple[str, ...] = tuple(layout.buffer_specs)
+        self.frozen: tuple[str, ...] = tuple(
+            k for k, spec in layout.param_specs.items() if not spec.requires_grad
+        )
+        self.trainable: tuple[str, ...] = tuple(
+            k for k, spec in layout.param_specs.items() if spec.requires_grad
+        )
         # (primary name, owner module, attribute) for every alias of every tensor.
         self._param_slots = [
             (primary, *_owner(module, name))

@@ -20,7 +20,6 @@ seeded generator).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -28,7 +27,16 @@ import optree
 import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
-from torchopt.update import apply_updates
+
+from torchfn.functional._core import (
+    DynamicLossScaler,
+    LossScaleState,
+    StepOptions,
+    Trainable,
+    apply_gradients,
+    check_optimizer,
+    split_batch,
+)
 
 __all__ = [
     "DynamicLossScaler",
@@ -47,17 +55,6 @@ Batch = tuple[Any, Any]
 StepFn = Callable[["TrainState", Batch], tuple["TrainState", dict[str, Tensor]]]
 
 _MASK64 = (1 << 64) - 1
-_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class LossScaleState(NamedTuple):
-    """Dynamic loss-scale state: ``scale`` (float32 0-d) and ``growth_tracker`` (int64 0-d).
-
-    ``growth_tracker`` counts consecutive finite-gradient steps since the scale last changed.
-    """
-
-    scale: Tensor
-    growth_tracker: Tensor
 
 
 class TrainState(NamedTuple):
@@ -70,6 +67,8 @@ class TrainState(NamedTuple):
         step: int64 0-d CPU tensor, the number of steps taken (skipped fp16 steps included).
         seed: int64 0-d CPU tensor; step ``t``'s randomness comes from ``derive(seed, t)``.
         loss_scale: :class:`LossScaleState`, used by ``amp='fp16'`` only.
+        skipped: int64 0-d tensor on the params' device, the number of steps skipped for a
+            non-finite loss or gradient (``None`` in states built by hand; then not counted).
     """
 
     params: TensorDict
@@ -78,41 +77,7 @@ class TrainState(NamedTuple):
     step: Tensor
     seed: Tensor
     loss_scale: LossScaleState
-
-
-@dataclasses.dataclass(frozen=True)
-class DynamicLossScaler:
-    """Settings of the fp16 dynamic loss scale (the state lives in ``TrainState.loss_scale``).
-
-    On a step with inf/nan gradients the update is skipped and the scale is multiplied by
-    ``backoff_factor``; after ``growth_interval`` consecutive finite steps it is multiplied by
-    ``growth_factor`` -- the rule of ``torch.amp.GradScaler``.
-
-    Example:
-        >>> from torchfn.functional import DynamicLossScaler
-        >>> DynamicLossScaler(growth_interval=100).growth_factor
-        2.0
-    """
-
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-    def __post_init__(self) -> None:
-        if not self.growth_factor > 1.0:
-            raise ValueError(
-                f"DynamicLossScaler(growth_factor=...): expected > 1, got {self.growth_factor!r}"
-            )
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(
-                "DynamicLossScaler(backoff_factor=...): expected in (0, 1), "
-                f"got {self.backoff_factor!r}"
-            )
-        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
-            raise ValueError(
-                "DynamicLossScaler(growth_interval=...): expected an int >= 1, "
-                f"got {self.growth_interval!r}"
-            )
+    skipped: Tensor | None = None
 
 
 def _first_device(tree: Any) -> torch.device:
@@ -127,12 +92,17 @@ def init_train_state(
     *,
     seed: int | Tensor,
     loss_scale: float = 2.0**16,
+    trainable: Trainable | None = None,
 ) -> TrainState:
     """Return the initial :class:`TrainState` (``step`` = 0) for ``params``/``buffers``.
 
     Params and buffers are detached (the step's out-of-place updates must not chain autograd
     graphs across steps). ``seed`` is an int in ``[0, 2**63)`` or an int64 0-d tensor.
     ``loss_scale`` is the initial fp16 loss scale (ignored unless the step uses ``amp='fp16'``).
+    ``trainable`` (a callable ``name -> bool`` or a collection of names; default all) selects
+    the params the optimizer state covers; give it the step's trainable set (for a model with
+    ``requires_grad=False`` params: ``trainable=model_fn.trainable``), so weight decay and
+    momentum cannot reach frozen params.
 
     Example:
         >>> import torch
@@ -159,19 +129,22 @@ def init_train_state(
         raise ValueError(f"init_train_state(seed=...): expected an int in [0, 2**63), got {seed!r}")
     if not loss_scale > 0.0:
         raise ValueError(f"init_train_state(loss_scale=...): expected > 0, got {loss_scale!r}")
+    check_optimizer(optimizer, "init_train_state")
     params = {k: v.detach() for k, v in params.items()}
     buffers = {k: v.detach() for k, v in buffers.items()}
     device = _first_device(params)
+    names = StepOptions(trainable=trainable, where="init_train_state").trainable_names(params)
     return TrainState(
         params=params,
         buffers=buffers,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init({k: params[k] for k in names}),
         step=torch.zeros((), dtype=torch.int64),
         seed=torch.tensor(seed, dtype=torch.int64),
         loss_scale=LossScaleState(
             scale=torch.tensor(loss_scale, dtype=torch.float32, device=device),
             growth_tracker=torch.zeros((), dtype=torch.int64, device=device),
         ),
+        skipped=torch.zeros((), dtype=torch.int64, device=device),
     )
 
 
@@ -227,47 +200,6 @@ def step_rng(state: TrainState) -> Iterator[int]:
             g.set_state(s)
 
 
-def _split_batch(inputs: Any, targets: Any, k: int) -> list[tuple[Any, Any]]:
-    """Return ``k`` equal micro-batches of ``(inputs, targets)`` split along dim 0."""
-    if k == 1:
-        return [(inputs, targets)]
-    leaves, spec = optree.tree_flatten((inputs, targets))
-    sizes = set()
-    for leaf in leaves:
-        if not isinstance(leaf, Tensor) or leaf.ndim == 0:
-            raise TypeError(
-                f"train step with grad_accum_steps={k}: every leaf of (inputs, targets) must be "
-                f"a tensor with a batch dim 0 to split, got {type(leaf).__name__}"
-                + (f" of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else "")
-            )
-        sizes.add(leaf.shape[0])
-    if len(sizes) != 1:
-        raise ValueError(
-            f"train step with grad_accum_steps={k}: inputs and targets must share the batch "
-            f"size (dim 0), got sizes {sorted(sizes)}"
-        )
-    (batch_size,) = sizes
-    if batch_size % k != 0:
-        raise ValueError(
-            f"train step: batch size {batch_size} is not divisible by grad_accum_steps={k}; "
-            f"use a batch size that is a multiple of {k}"
-        )
-    micro = batch_size // k
-    parts = [leaf.split(micro) for leaf in leaves]
-    return [spec.unflatten([p[i] for p in parts]) for i in range(k)]
-
-
-def _global_norm(leaves: list[Tensor]) -> Tensor:
-    """Return the L2 norm of all ``leaves`` together, like ``clip_grad_norm_``'s total norm."""
-    if not leaves:
-        return torch.zeros(())
-    dtype = torch.promote_types(leaves[0].dtype, torch.float32)
-    for leaf in leaves[1:]:
-        dtype = torch.promote_types(dtype, leaf.dtype)
-    norms = [torch.linalg.vector_norm(g).to(dtype) for g in leaves]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
 def _check_batch(batch: Any) -> tuple[Any, Any]:
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         what = (
@@ -293,6 +225,9 @@ def make_train_step(
     lr_schedule: float | Schedule | None = None,
     seed_rng: bool = True,
     grad_transform: Callable[[TensorDict], TensorDict] | None = None,
+    clip_value: float | None = None,
+    trainable: Trainable | None = None,
+    skip_nonfinite: bool = True,
 ) -> StepFn:
     """Return a pure ``step(state, batch) -> (new_state, metrics)`` for one optimizer update.
 
@@ -304,7 +239,18 @@ def make_train_step(
       be divisible by ``k``) and averages their gradients, so for a mean-reduced loss the update
       equals one step on the whole batch; buffers thread through the micro-batches in order.
     - ``max_grad_norm`` clips the averaged gradients to that global L2 norm
-      (``torch.nn.utils.clip_grad_norm_``'s rule).
+      (``torch.nn.utils.clip_grad_norm_``'s rule); ``clip_value`` clamps every element to
+      ``[-clip_value, clip_value]`` (``clip_grad_value_``'s rule) before that.
+    - Frozen params: ``trainable`` (a callable ``name -> bool`` or a collection of names)
+      selects the trained params; by default every param but those ``model_fn.frozen`` names
+      (:func:`make_functional` records the module's ``requires_grad=False`` params there). No
+      gradient is computed for the others and they never change; build the state with the same
+      set (``init_train_state(..., trainable=...)``) so the optimizer state covers only the
+      trained params (a state over all params also works: the frozen params' updates are
+      discarded; any other set raises ``ValueError``).
+    - ``skip_nonfinite`` (default on; it costs no host sync): a step whose loss or gradients
+      are not finite keeps params, buffers and optimizer state (``torch.where``) and counts in
+      ``metrics["skipped"]`` and ``state.skipped``.
     - ``amp='bf16'`` runs model and loss under ``torch.autocast`` (device type of the params) in
       bfloat16. ``amp='fp16'`` uses float16 with a dynamic loss scale (``loss_scaler`` settings,
       state in ``state.loss_scale``): on inf/nan gradients params, buffers and optimizer state
@@ -323,8 +269,9 @@ def make_train_step(
       gradient.
 
     ``metrics`` holds 0-d tensors: ``loss`` (mean over micro-batches), ``grad_norm`` (global
-    norm before clipping), ``lr`` if asked, and for fp16 ``loss_scale`` (after this step) and
-    ``skipped`` (bool).
+    norm before clipping), ``skipped`` (bool, unless ``skip_nonfinite=False`` without fp16),
+    ``lr`` if asked, and for fp16 ``loss_scale`` (after this step). The gradients are applied
+    by :func:`apply_gradients`, the core every torchfn step kind shares.
 
     CUDA graphs: :func:`make_graphed_step` captures the step as one graph with the state
     updated in place (the fastest form). With ``torch.compile(step, mode="reduce-overhead")``
@@ -348,45 +295,29 @@ def make_train_step(
         >>> x, y = torch.randn(8, 3), torch.randn(8, 1)
         >>> state, metrics = step(state, (x, y))
         >>> int(state.step), sorted(metrics)
-        (1, ['grad_norm', 'loss'])
+        (1, ['grad_norm', 'loss', 'skipped'])
     """
-    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int):
-        raise TypeError(
-            f"make_train_step(grad_accum_steps=...): expected an int >= 1, got {grad_accum_steps!r}"
-        )
-    if grad_accum_steps < 1:
-        raise ValueError(
-            f"make_train_step(grad_accum_steps=...): expected an int >= 1, got {grad_accum_steps}"
-        )
-    if max_grad_norm is not None and not max_grad_norm > 0.0:
-        raise ValueError(
-            f"make_train_step(max_grad_norm=...): expected None or > 0, got {max_grad_norm!r}"
-        )
-    if amp is not None and amp not in _AMP_DTYPES:
-        raise ValueError(
-            f"make_train_step(amp=...): expected None, 'bf16' or 'fp16', got {amp!r}"
-        )
-    if loss_scaler is not None and amp != "fp16":
-        raise ValueError(
-            f"make_train_step(loss_scaler=...): a loss scaler needs amp='fp16', got amp={amp!r}"
-        )
-    fp16 = amp == "fp16"
-    scaler = loss_scaler if loss_scaler is not None else DynamicLossScaler()
+    where = "make_train_step"
+    check_optimizer(optimizer, where)
+    options = StepOptions(trainable=trainable, amp=amp, loss_scaler=loss_scaler,
+                          grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
+                          clip_value=clip_value, lr_schedule=lr_schedule,
+                          skip_nonfinite=skip_nonfinite, where=where)
+    frozen = tuple(getattr(model_fn, "frozen", ()))
+    fp16 = options.fp16
     k = grad_accum_steps
 
     def micro_step(
-        params: TensorDict, buffers: TensorDict, x: Any, y: Any, scale: Tensor | None
+        params: TensorDict, names: tuple[str, ...], buffers: TensorDict, x: Any, y: Any,
+        scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         device_type = _first_device(params).type
+        fixed = {n: v for n, v in params.items() if n not in names}
 
         def objective(p: TensorDict) -> tuple[Tensor, tuple[Tensor, TensorDict]]:
-            ctx = (
-                torch.autocast(device_type=device_type, dtype=_AMP_DTYPES[amp])
-                if amp is not None
-                else contextlib.nullcontext()
-            )
-            with ctx:
-                outputs, new_buffers = model_fn(p, buffers, x)
+            merged = {n: p[n] if n in p else fixed[n] for n in params}
+            with options.autocast(device_type):
+                outputs, new_buffers = model_fn(merged, buffers, x)
                 loss = loss_fn(outputs, y)
             if not isinstance(loss, Tensor) or loss.ndim != 0:
                 seen = (
@@ -404,13 +335,14 @@ def make_train_step(
             return scaled, (loss, new_buffers)
 
         grads, (_, (loss, new_buffers)) = torch.func.grad_and_value(objective, has_aux=True)(
-            params
+            {n: params[n] for n in names}
         )
         return grads, loss, new_buffers
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
         inputs, targets = _check_batch(batch)
-        micro_batches = _split_batch(inputs, targets, k)
+        micro_batches = split_batch((inputs, targets), k, "train step")
+        names = options.trainable_names(state.params, frozen)
         scale = state.loss_scale.scale if fp16 else None
         use_rng = seed_rng and not torch.compiler.is_compiling()
         ctx = step_rng(state) if use_rng else contextlib.nullcontext()
@@ -419,7 +351,7 @@ def make_train_step(
         losses = []
         with ctx:
             for x, y in micro_batches:
-                g, loss, buffers = micro_step(state.params, buffers, x, y, scale)
+                g, loss, buffers = micro_step(state.params, names, buffers, x, y, scale)
                 grads = g if grads is None else optree.tree_map(torch.add, grads, g)
                 losses.append(loss)
         assert grads is not None
@@ -428,70 +360,7 @@ def make_train_step(
             grads = optree.tree_map(lambda t: t / k, grads)
         if grad_transform is not None:
             grads = grad_transform(grads)
-
-        finite: Tensor | None = None
-        if fp16:
-            assert scale is not None
-            inv = 1.0 / scale
-            grads = optree.tree_map(lambda t: t * inv.to(t.dtype), grads)
-            leaves = optree.tree_leaves(grads)
-            finite = torch.stack([torch.isfinite(t).all() for t in leaves]).all()
-            grads = optree.tree_map(lambda t: torch.where(finite, t, torch.zeros_like(t)), grads)
-            grad_norm = _global_norm(leaves)
-            clean_norm = torch.where(finite, grad_norm, torch.zeros_like(grad_norm))
-        else:
-            grad_norm = _global_norm(optree.tree_leaves(grads))
-            clean_norm = grad_norm
-
-        if max_grad_norm is not None:
-            coef = torch.clamp(max_grad_norm / (clean_norm + 1e-6), max=1.0)
-            grads = optree.tree_map(lambda t: t * coef.to(t.dtype), grads)
-
-        updates, opt_state = optimizer.update(
-            grads, state.opt_state, params=state.params, inplace=False
-        )
-        params = apply_updates(state.params, updates, inplace=False)
-
-        metrics: dict[str, Tensor] = {"loss": loss.detach(), "grad_norm": grad_norm.detach()}
-        loss_scale = state.loss_scale
-        if fp16:
-            assert finite is not None
-
-            def keep_if_finite(new: Any, old: Any) -> Any:
-                return torch.where(finite, new, old)
-
-            params = optree.tree_map(keep_if_finite, params, state.params)
-            buffers = optree.tree_map(keep_if_finite, buffers, state.buffers)
-            opt_state = optree.tree_map(keep_if_finite, opt_state, state.opt_state)
-            loss_scale = _update_loss_scale(state.loss_scale, finite, scaler)
-            metrics["loss_scale"] = loss_scale.scale
-            metrics["skipped"] = ~finite
-        if lr_schedule is not None:
-            lr = lr_schedule(state.step) if callable(lr_schedule) else lr_schedule
-            metrics["lr"] = torch.as_tensor(lr, dtype=torch.float32)
-
-        new_state = TrainState(
-            params=params,
-            buffers=buffers,
-            opt_state=opt_state,
-            step=state.step + 1,
-            seed=state.seed,
-            loss_scale=loss_scale,
-        )
-        return new_state, metrics
+        return apply_gradients(optimizer, grads, state, options=options, trainable=names,
+                               loss=loss, buffers=buffers, where="train step")
 
     return step
-
-
-def _update_loss_scale(
-    state: LossScaleState, finite: Tensor, scaler: DynamicLossScaler
-) -> LossScaleState:
-    """Return the next loss-scale state (``torch.amp.GradScaler``'s update rule, as tensors)."""
-    tracker = torch.where(finite, state.growth_tracker + 1, torch.zeros_like(state.growth_tracker))
-    grow = tracker >= scaler.growth_interval
-    grown = torch.where(grow, state.scale * scaler.growth_factor, state.scale)
-    # like GradScaler, never grow into inf
-    grown = torch.where(torch.isfinite(grown), grown, state.scale)
-    scale = torch.where(finite, grown, state.scale * scaler.backoff_factor)
-    tracker = torch.where(grow, torch.zeros_like(tracker), tracker)
-    return LossScaleState(scale=scale, growth_tracker=tracker)

@@ -18,7 +18,7 @@ summed one after another, so the memory of the backward is that of one chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -250,9 +250,16 @@ class MetaLearner:
         return torch.cat(losses).mean(), _mean_buffers(bufs, buffers)
 
     def meta_grad(
-        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
+        *, wrt: Collection[str] | None = None, loss_scale: Tensor | None = None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         """Return ``(meta_grads, meta_loss, new_buffers)`` for a task batch (task dim 0).
+
+        ``wrt`` (default: all) names the meta-params to differentiate (frozen ones are left
+        out: no gradient is computed for them; the inner loop still adapts what
+        ``adapt_filter`` selects); ``meta_grads`` then has exactly those keys. ``loss_scale``
+        (fp16 training) multiplies the differentiated meta-loss (Reptile: the outer
+        "gradient"), not the returned ``meta_loss``.
 
         ``meta_grads`` has the keys of ``meta_params``: the gradient of :meth:`meta_loss`,
         accumulated chunk by chunk (``chunk_size`` tasks at a time, so the backward holds one
@@ -270,6 +277,8 @@ class MetaLearner:
         """
         check_task_batch(tasks, "MetaLearner.meta_grad(meta_params, buffers, tasks)")
         n = tasks.support_x.shape[0]
+        names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
+        fixed = {k: v for k, v in meta_params.items() if k not in names}
         total: TensorDict | None = None
         loss_sum: Tensor | None = None
         bufs = []
@@ -278,22 +287,30 @@ class MetaLearner:
                 delta, loss_t, buf_t = vmap(self._reptile_delta, in_dims=(None, None, 0))(
                     meta_params, buffers, chunk
                 )
-                g = {k: v.sum(0) for k, v in delta.items()}
+                g = {k: v.sum(0) for k, v in delta.items() if k in names}
+                if loss_scale is not None:
+                    g = {k: v * loss_scale.to(v.dtype) for k, v in g.items()}
                 lsum = loss_t.sum()
             else:
                 def chunk_loss(p: TensorDict, c: Task = chunk) -> tuple[Tensor, Any]:
-                    loss_t, buf_t = vmap(self.task_loss, in_dims=(None, None, 0))(p, buffers, c)
-                    return loss_t.sum(), (loss_t.sum().detach(), buf_t)
+                    merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
+                    loss_t, buf_t = vmap(self.task_loss, in_dims=(None, None, 0))(
+                        merged, buffers, c)
+                    loss = loss_t.sum()
+                    if loss_scale is not None:
+                        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
+                        return loss * loss_scale, (loss.detach(), buf_t)
+                    return loss, (loss.detach(), buf_t)
 
                 g, (_, (lsum, buf_t)) = grad_and_value(chunk_loss, has_aux=True)(
-                    dict(meta_params)
+                    {k: meta_params[k] for k in names}
                 )
             bufs.append(buf_t)
             total = g if total is None else {k: total[k] + g[k] for k in total}
             loss_sum = lsum if loss_sum is None else loss_sum + lsum
         assert total is not None and loss_sum is not None
-        grads = {k: total[k] / n if k in total else torch.zeros_like(v)
-                 for k, v in meta_params.items()}
+        grads = {k: total[k] / n if k in total else torch.zeros_like(meta_params[k])
+                 for k in names}
         return grads, loss_sum / n, _mean_buffers(bufs, buffers)
 
 

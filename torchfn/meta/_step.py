@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-import torchopt
+import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
+from torchopt.typing import Schedule
 
-from torchfn.functional import TrainState, init_train_state
+from torchfn.functional import (
+    DynamicLossScaler,
+    StepOptions,
+    TrainState,
+    apply_gradients,
+    check_optimizer,
+    init_train_state,
+    split_batch,
+)
 from torchfn.meta._maml import MetaLearner
 from torchfn.meta._tasks import Task
 
 __all__ = ["init_meta_state", "make_meta_train_step"]
+
+Trainable = Callable[[str], bool] | Collection[str]
+
+
+def _frozen(learner: MetaLearner) -> tuple[str, ...]:
+    return tuple(getattr(learner.model_fn, "frozen", ()))
 
 
 def init_meta_state(
@@ -23,11 +38,17 @@ def init_meta_state(
     optimizer: GradientTransformation,
     *,
     seed: int | Tensor = 0,
+    loss_scale: float = 2.0**16,
+    trainable: Trainable | None = None,
 ) -> TrainState:
     """Return the initial :class:`torchfn.functional.TrainState` of meta-training.
 
     ``state.params`` are ``learner.init(params)`` (Meta-SGD's learned rates included), so the
-    state saves and loads with :func:`torchfn.functional.save_checkpoint`.
+    state saves and loads with :func:`torchfn.functional.save_checkpoint`. The optimizer state
+    covers the meta-params that are trained: ``trainable`` (a callable ``name -> bool`` or a
+    collection of names), by default all but the model's frozen params
+    (``learner.model_fn.frozen``, recorded by :func:`torchfn.functional.make_functional` for
+    ``requires_grad=False``). ``loss_scale`` is the initial fp16 loss scale.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -38,19 +59,63 @@ def init_meta_state(
         >>> int(state.step)
         0
     """
-    return init_train_state(learner.init(params), dict(buffers), optimizer, seed=seed)
+    check_optimizer(optimizer, "init_meta_state")
+    meta = learner.init(params)
+    names = StepOptions(trainable=trainable, where="init_meta_state").trainable_names(
+        meta, _frozen(learner))
+    return init_train_state(meta, dict(buffers), optimizer, seed=seed, loss_scale=loss_scale,
+                            trainable=names)
+
+
+def _mean_buffers(parts: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    out = {}
+    for k, b in parts[0].items():
+        out[k] = (torch.stack([p[k] for p in parts]).mean(0).to(b.dtype)
+                  if b.is_floating_point() else b)
+    return out
 
 
 def make_meta_train_step(
-    learner: MetaLearner, optimizer: GradientTransformation
+    learner: MetaLearner,
+    optimizer: GradientTransformation,
+    *,
+    grad_accum_steps: int = 1,
+    max_grad_norm: float | None = None,
+    clip_value: float | None = None,
+    amp: str | None = None,
+    loss_scaler: DynamicLossScaler | None = None,
+    lr_schedule: float | Schedule | None = None,
+    trainable: Trainable | None = None,
+    skip_nonfinite: bool = True,
+    grad_transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
 ) -> Callable[[TrainState, Task], tuple[TrainState, dict[str, Tensor]]]:
-    """Return ``step(state, tasks) -> (new_state, {"loss": meta_loss})``: one outer update.
+    """Return ``step(state, tasks) -> (new_state, metrics)``: one outer update.
 
     The step computes :meth:`MetaLearner.meta_grad` over the task batch ``tasks`` (task dim
     0), applies ``optimizer`` (e.g. :func:`torchfn.functional.adam`, compile-safe) out of
-    place and stores the task-averaged buffers. It is pure, does no host syncs and compiles
-    with ``torch.compile(step, fullgraph=True)`` without recompiling between steps (same
-    shapes).
+    place through :func:`torchfn.functional.apply_gradients` and stores the task-averaged
+    buffers. The shared step features (:class:`torchfn.functional.StepOptions`):
+
+    - ``trainable``: the meta-params the outer update trains (default: all but
+      ``learner.model_fn.frozen``); no meta-gradient is computed for the others and they
+      never change (the inner loop still adapts what ``adapt_filter`` selects). Build the
+      state with the same set (:func:`init_meta_state` does by default).
+    - ``grad_accum_steps=k``: the ``T`` tasks run as ``k`` micro-batches of ``T // k`` tasks
+      (``T`` divisible by ``k``), meta-gradients averaged (equal to one step on all tasks).
+    - ``max_grad_norm`` / ``clip_value``: global-norm / elementwise clipping of the
+      meta-gradient.
+    - ``amp``: ``'bf16'`` runs the inner and outer passes under autocast; ``'fp16'`` also
+      scales the outer loss by the dynamic loss scale in ``state.loss_scale`` (the inner
+      loop's own gradients are not scaled).
+    - ``lr_schedule``: ``metrics["lr"]``; ``skip_nonfinite`` (default on): a step with a
+      non-finite meta-loss or meta-gradient keeps the state and counts in
+      ``metrics["skipped"]`` and ``state.skipped``.
+    - ``grad_transform``: maps the averaged meta-gradient dict before unscaling and clipping
+      (the distributed step all-reduces there).
+
+    ``metrics``: ``loss`` (the meta-loss), ``grad_norm``, ``skipped`` (unless switched off),
+    ``lr`` and ``loss_scale`` when asked. It is pure, does no host syncs and compiles with
+    ``torch.compile(step, fullgraph=True)`` without recompiling between steps (same shapes).
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -59,7 +124,7 @@ def make_meta_train_step(
         >>> learner = maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
         >>> opt = adam(1e-2)
         >>> state = init_meta_state(learner, {"w": torch.zeros(1, 1)}, {}, opt)
-        >>> step = make_meta_train_step(learner, opt)
+        >>> step = make_meta_train_step(learner, opt, max_grad_norm=1.0)
         >>> tasks, _, _ = sinusoid_tasks(4, 5, 5, generator=torch.Generator().manual_seed(0))
         >>> state, metrics = step(state, tasks)
         >>> int(state.step), metrics["loss"].shape
@@ -68,16 +133,35 @@ def make_meta_train_step(
     if not isinstance(learner, MetaLearner):
         raise TypeError(f"make_meta_train_step(learner, ...): expected a MetaLearner, "
                         f"got {type(learner).__name__}")
+    check_optimizer(optimizer, "make_meta_train_step")
+    options = StepOptions(trainable=trainable, amp=amp, loss_scaler=loss_scaler,
+                          grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
+                          clip_value=clip_value, lr_schedule=lr_schedule,
+                          skip_nonfinite=skip_nonfinite, where="make_meta_train_step")
+    frozen = _frozen(learner)
+    k = grad_accum_steps
 
     def step(state: TrainState, tasks: Task) -> tuple[TrainState, dict[str, Any]]:
-        grads, loss, buffers = learner.meta_grad(state.params, state.buffers, tasks)
-        updates, opt_state = optimizer.update(
-            grads, state.opt_state, params=state.params, inplace=False
-        )
-        params = torchopt.apply_updates(state.params, updates, inplace=False)
-        new_state = state._replace(
-            params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1
-        )
-        return new_state, {"loss": loss}
+        names = options.trainable_names(state.params, frozen)
+        scale = state.loss_scale.scale if options.fp16 else None
+        device_type = next(iter(state.params.values())).device.type
+        grads: dict[str, Tensor] | None = None
+        losses, bufs = [], []
+        for part in split_batch(tasks, k, "meta train step(state, tasks)"):
+            with options.autocast(device_type):
+                g, loss, buffers = learner.meta_grad(state.params, state.buffers, part,
+                                                     wrt=names, loss_scale=scale)
+            grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
+            losses.append(loss)
+            bufs.append(buffers)
+        assert grads is not None
+        if k > 1:
+            grads = {n: v / k for n, v in grads.items()}
+        loss = losses[0] if k == 1 else torch.stack(losses).mean()
+        buffers = bufs[0] if k == 1 else _mean_buffers(bufs)
+        if grad_transform is not None:
+            grads = grad_transform(grads)
+        return apply_gradients(optimizer, grads, state, options=options, trainable=names,
+                               loss=loss, buffers=buffers, where="meta train step")
 
     return step

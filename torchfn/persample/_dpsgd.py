@@ -37,16 +37,22 @@ noise, they never change), and floating-point attacks on the noise (see ``_dp_ra
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torchopt.base import GradientTransformation
-from torchopt.typing import OptState
-from torchopt.update import apply_updates
+from torchopt.typing import OptState, Schedule
 
 from torchfn._checks import _compile_kwargs
+from torchfn.functional import (
+    DynamicLossScaler,
+    LossScaleState,
+    StepOptions,
+    apply_gradients,
+    check_optimizer,
+)
 from torchfn.persample._accountant import RDPAccountant
 from torchfn.persample._dp_random import fold_in, key_from_seed, normal
 from torchfn.persample._ghost_norms import GhostModel
@@ -62,6 +68,7 @@ __all__ = [
 Tensor = torch.Tensor
 TensorDict = dict[str, Tensor]
 LossFn = Callable[[Any, Any], Tensor]
+Trainable = Callable[[str], bool] | Collection[str]
 
 _NOISE_SALT = 0x6E6F6973  # "nois"
 _NEXT_SALT = 0x6E657874  # "next"
@@ -73,7 +80,9 @@ class DPState(NamedTuple):
     Fields: ``params``, ``buffers`` (dicts keyed like ``named_parameters()`` /
     ``named_buffers()``), ``opt_state`` (torchopt), ``step`` (int64 0-d, logical steps
     taken) and ``key`` (int64 ``(2,)``, this step's noise key; each step replaces it by
-    ``fold_in(key, "next")``), both on the parameters' device.
+    ``fold_in(key, "next")``), both on the parameters' device; ``loss_scale``
+    (:class:`LossScaleState`, ``amp='fp16'``) and ``skipped`` (int64 0-d, steps skipped for a
+    non-finite loss or gradient), ``None`` in states built by hand.
     """
 
     params: TensorDict
@@ -81,6 +90,8 @@ class DPState(NamedTuple):
     opt_state: OptState
     step: Tensor
     key: Tensor
+    loss_scale: LossScaleState | None = None
+    skipped: Tensor | None = None
 
 
 class ClippedSum(NamedTuple):
@@ -107,12 +118,16 @@ def _first(params: Mapping[str, Tensor]) -> Tensor:
 
 
 def init_dp_state(
-    params: TensorDict, buffers: TensorDict, optimizer: GradientTransformation, *, seed: int
+    params: TensorDict, buffers: TensorDict, optimizer: GradientTransformation, *, seed: int,
+    trainable: Trainable | None = None, loss_scale: float = 2.0**16,
 ) -> DPState:
     """Return the initial :class:`DPState` (``step`` = 0) with a noise key from ``seed``.
 
     ``seed`` (an int in ``[0, 2**63)``) determines all the noise of the run; keep it secret
-    like any DP randomness. Params/buffers are detached.
+    like any DP randomness. Params/buffers are detached. The optimizer state covers the
+    ``trainable`` params (a callable ``name -> bool`` or names; default all): pass
+    ``ghost.trainable`` for a model with frozen params, so weight decay cannot reach them.
+    ``loss_scale`` is the initial fp16 loss scale.
 
     Example:
         >>> import torchopt
@@ -120,15 +135,21 @@ def init_dp_state(
         >>> int(state.step), state.key.shape
         (0, torch.Size([2]))
     """
+    check_optimizer(optimizer, "init_dp_state")
     params = {k: v.detach() for k, v in params.items()}
     buffers = {k: v.detach() for k, v in buffers.items()}
     device = _first(params).device
+    names = StepOptions(trainable=trainable, where="init_dp_state").trainable_names(params)
     return DPState(
         params=params,
         buffers=buffers,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init({k: params[k] for k in names}),
         step=torch.zeros((), dtype=torch.int64, device=device),
         key=fold_in(key_from_seed(seed, device), _NOISE_SALT),
+        loss_scale=LossScaleState(
+            scale=torch.tensor(loss_scale, dtype=torch.float32, device=device),
+            growth_tracker=torch.zeros((), dtype=torch.int64, device=device)),
+        skipped=torch.zeros((), dtype=torch.int64, device=device),
     )
 
 
@@ -181,8 +202,10 @@ class DPTrainStep:
 
     def __init__(self, ghost: GhostModel, loss_fn: LossFn, optimizer: GradientTransformation,
                  *, noise_multiplier: float, sample_rate: float, dataset_size: int,
-                 thresholds: dict[str, float] | None, total: float) -> None:
+                 thresholds: dict[str, float] | None, total: float,
+                 options: StepOptions | None = None) -> None:
         self._ghost, self._loss_fn, self._optimizer = ghost, loss_fn, optimizer
+        self._options = options if options is not None else StepOptions()
         self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
         self.dataset_size = dataset_size
         self.expected_batch_size = sample_rate * dataset_size
@@ -196,8 +219,20 @@ class DPTrainStep:
 
     def _clipped_sum(self, state: DPState, batch: tuple[Any, Any], valid: Tensor) -> ClippedSum:
         inputs, targets = _check_batch(batch)
-        res = self._ghost.per_sample(state.params, state.buffers, inputs, targets,
-                                     self._loss_fn, bookkeeping=True)
+        opts = self._options
+        scale = state.loss_scale.scale if opts.fp16 and state.loss_scale is not None else None
+        if opts.fp16 and scale is None:
+            raise ValueError("DP-SGD step with amp='fp16': the state has no loss_scale; build "
+                             "it with init_dp_state")
+        loss_fn = self._loss_fn
+        if opts.amp is not None:
+            def loss_fn(outputs: Any, targets: Any) -> Tensor:  # per-sample losses, scaled
+                losses = self._loss_fn(outputs, targets).float()
+                return losses * scale if scale is not None else losses
+        device_type = _first(state.params).device.type
+        with opts.autocast(device_type):
+            res = self._ghost.per_sample(state.params, state.buffers, inputs, targets,
+                                         loss_fn, bookkeeping=True)
         for k, v in res.new_buffers.items():
             if v is not state.buffers[k]:
                 raise ValueError(
@@ -206,24 +241,36 @@ class DPTrainStep:
                     "analysis. Use layers without data-dependent buffers, or eval() for them"
                 )
         losses = res.losses.detach()
+        # fp16: the per-sample losses were multiplied by the loss scale; unscale the norms
+        # before clipping and fold 1 / scale into the clipping coefficients
+        inv = 1.0 / scale if scale is not None else None
+        if inv is not None:
+            losses = losses * inv
         if valid.shape != losses.shape:
             raise ValueError(f"DP-SGD step: valid must have shape {tuple(losses.shape)} (one "
                              f"flag per example of the batch), got {tuple(valid.shape)}")
         mask = valid.to(losses.dtype)
         if self.layer_thresholds is None:
-            norm = res.grads.sq_norms().clamp_min(0).sqrt()
+            norm = res.grads.sq_norms().clamp_min(0).sqrt().to(mask.dtype)
+            if inv is not None:
+                norm = norm * inv
             coef = mask * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             clipped = (mask * (norm > self.max_grad_norm).to(mask.dtype)).sum()
-            grads = res.grads.weighted_sum(coef)
+            grads = res.grads.weighted_sum(coef if inv is None else coef * inv)
         else:
             per_layer = res.grads.sq_norms(per_layer=True)
             assert isinstance(per_layer, dict)
             coefs, clipped, total_sq = {}, mask.new_zeros(()), mask.new_zeros(mask.shape)
             for name, c in self.layer_thresholds.items():
-                n = per_layer[name].clamp_min(0).sqrt()
+                sq = per_layer[name].to(mask.dtype)
+                if inv is not None:
+                    sq = sq * inv * inv
+                n = sq.clamp_min(0).sqrt()
                 coefs[name] = mask * torch.clamp(c / (n + 1e-6), max=1.0)
+                if inv is not None:
+                    coefs[name] = coefs[name] * inv
                 clipped = clipped + (mask * (n > c).to(mask.dtype)).sum()
-                total_sq = total_sq + per_layer[name]
+                total_sq = total_sq + sq
             norm = total_sq.clamp_min(0).sqrt()
             grads = res.grads.weighted_sum(coefs)
         return ClippedSum(grads=grads, count=mask.sum(), loss_sum=(losses * mask).sum(),
@@ -231,28 +278,30 @@ class DPTrainStep:
 
     def _apply(self, state: DPState, total: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
         frozen = set(self._ghost.frozen)
-        noised = [k for k in total.grads if k not in frozen]
+        names = self._options.trainable_names(state.params, frozen)
+        noised = [k for k in total.grads if k in names]
         sizes = [total.grads[k].numel() for k in noised]
         flat = normal(state.key, (sum(sizes),), torch.float64).split(sizes)
-        grads = dict(total.grads)
+        grads = {}
         for name, z in zip(noised, flat, strict=True):
-            g = total.grads[name]
+            g = total.grads[name].to(state.params[name].dtype)
             noise = z.reshape(g.shape).to(g.dtype)
             grads[name] = (g + self.noise_std * noise) / self.expected_batch_size
-        updates, opt_state = self._optimizer.update(grads, state.opt_state,
-                                                    params=state.params, inplace=False)
-        params = apply_updates(state.params, updates, inplace=False)
         denom = torch.clamp(total.count, min=1.0)
+        loss = total.loss_sum / denom
+        # the clipped sum is unscaled already (per sample, before clipping): no second unscale
+        new_state, core = apply_gradients(self._optimizer, grads, state, options=self._options,
+                                          trainable=noised, loss=loss, unscale=False,
+                                          where="DP-SGD step")
         n_layers = len(self.layer_thresholds) if self.layer_thresholds is not None else 1
         metrics = {
-            "loss": total.loss_sum / denom,
+            "loss": loss,
             "batch_size": total.count,
             "clip_fraction": total.clipped / (denom * n_layers),
             "grad_norm_mean": total.norm_sum / denom,
         }
-        new_state = DPState(params=params, buffers=state.buffers, opt_state=opt_state,
-                            step=state.step + 1, key=fold_in(state.key, _NEXT_SALT))
-        return new_state, metrics
+        metrics.update({k: v for k, v in core.items() if k in ("skipped", "loss_scale", "lr")})
+        return new_state._replace(key=fold_in(state.key, _NEXT_SALT)), metrics
 
     def _step(self, state: DPState, batch: tuple[Any, Any],
               valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
@@ -358,6 +407,11 @@ def make_dp_train_step(
     sample_rate: float,
     dataset_size: int,
     clipping: str = "flat",
+    amp: str | None = None,
+    loss_scaler: DynamicLossScaler | None = None,
+    lr_schedule: float | Schedule | None = None,
+    trainable: Trainable | None = None,
+    skip_nonfinite: bool = True,
 ) -> DPTrainStep:
     """Return a pure DP-SGD step (:class:`DPTrainStep`): ghost clipping, seeded noise, update.
 
@@ -370,6 +424,21 @@ def make_dp_train_step(
     part to its own threshold: a dict ``{layer_name: C_l}`` (see ``ghost.layer_names``), or
     one float ``C`` split evenly as ``C / sqrt(L)``; the noise std is then
     ``noise_multiplier * sqrt(sum_l C_l^2)``, so the accountant sees the same sigma.
+
+    The shared step features (:class:`StepOptions`, applied by :func:`apply_gradients`):
+    frozen params (``ghost.frozen``, and an optional ``trainable`` filter) get no noise and no
+    update -- build the state with ``init_dp_state(..., trainable=ghost.trainable)`` so weight
+    decay cannot reach them either (params left out only by ``trainable`` still count in the
+    per-sample norms, which is conservative for privacy; freeze them in the module,
+    ``requires_grad=False``, to leave them out of the norms and the backward too); ``amp='bf16'`` runs the ghost forward/backward under
+    autocast; ``amp='fp16'`` also multiplies the per-sample losses by the dynamic loss scale
+    (``state.loss_scale``) and unscales the per-sample norms before clipping;
+    ``lr_schedule`` adds ``metrics["lr"]``; ``skip_nonfinite`` (default on) skips a step
+    whose loss or noisy gradient is not finite (state kept, ``metrics["skipped"]``,
+    ``state.skipped``). Accumulation is the physical batches (:meth:`DPTrainStep.clipped_sum`
+    + :meth:`DPTrainStep.add` + :meth:`DPTrainStep.apply`). Per-sample clipping to
+    ``max_grad_norm`` is DP-SGD's own clipping; the noisy mean is not clipped again (no
+    global-norm or value clipping after the noise).
 
     The step never syncs with the host and keeps every shape static, so
     ``torch.compile(step, fullgraph=True)`` (or :meth:`DPTrainStep.compile`) traces it once
@@ -392,9 +461,12 @@ def make_dp_train_step(
         >>> x, y, valid = torch.randn(96, 4), torch.randint(0, 2, (96,)), torch.rand(96) < 0.7
         >>> state, metrics = step(state, (x, y), valid)
         >>> sorted(metrics)
-        ['batch_size', 'clip_fraction', 'grad_norm_mean', 'loss']
+        ['batch_size', 'clip_fraction', 'grad_norm_mean', 'loss', 'skipped']
     """
     where = "make_dp_train_step"
+    check_optimizer(optimizer, where)
+    options = StepOptions(trainable=trainable, amp=amp, loss_scaler=loss_scaler,
+                          lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite, where=where)
     if not isinstance(ghost, GhostModel):
         raise TypeError(f"{where}(ghost, ...): expected a GhostModel from "
                         f"make_ghost_model(module), got {type(ghost).__name__}")
@@ -411,7 +483,8 @@ def make_dp_train_step(
                          f"{dataset_size!r}")
     thresholds, total = _layer_thresholds(ghost, max_grad_norm, clipping)
     return DPTrainStep(ghost, loss_fn, optimizer, noise_multiplier=sigma, sample_rate=q,
-                       dataset_size=dataset_size, thresholds=thresholds, total=total)
+                       dataset_size=dataset_size, thresholds=thresholds, total=total,
+                       options=options)
 
 
 def run_chunks(one_step: Callable[..., tuple[DPState, dict[str, Tensor]]],

@@ -85,7 +85,8 @@ class GhostModel:
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
     "embedding" | "norm" | "fallback"}``), ``layer_params`` (``{layer: (param names)}``),
     ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
-    noised), ``param_names``, ``buffer_names``, ``training``.
+    noised), ``trainable`` (the other parameter names), ``param_names``, ``buffer_names``,
+    ``training``.
     """
 
     def __init__(self, model_fn: FunctionalModel, tape: Tape, layers: dict[str, Layer],
@@ -97,6 +98,7 @@ class GhostModel:
         self.layer_params = {n: tuple(lay.params.values()) for n, lay in layers.items()}
         self.param_names = model_fn.param_names
         self.buffer_names = model_fn.buffer_names
+        self.trainable = tuple(k for k in self.param_names if k not in frozen)
 
     @property
     def training(self) -> bool:
