@@ -146,3 +146,17 @@ def _n_members(params: Mapping[str, Tensor], where: str) -> int:
     if seen is None:
         raise ValueError(f"{where}: expected at least one stacked parameter, got none")
     return seen[1]
+
+
+def _replace(state: Any, **changes: Any) -> Any:
+    """Return a copy of the NamedTuple ``state`` with ``changes`` applied (like ``_replace``).
+
+    Built field by field, because ``NamedTuple._replace`` inside ``torch.compile`` fails on
+    torch 2.11 (Dynamo raises a TypeError while tracing it, or returns an empty tuple) -- and
+    every step state is replaced inside a compiled step.
+    """
+    fields = type(state)._fields
+    unknown = set(changes) - set(fields)
+    if unknown:
+        raise TypeError(f"{type(state).__name__} has no fields {sorted(unknown)}")
+    return type(state)(*[changes[f] if f in changes else getattr(state, f) for f in fields])

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
+from torchfn._checks import _replace
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree, make_grad_reducer
 from torchfn.functional import TrainState, make_train_step
@@ -71,8 +72,8 @@ def make_data_parallel_train_step(
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
         if rank and not torch.compiler.is_compiling():  # distinct dropout masks per rank
-            new_state, metrics = inner(state._replace(seed=state.seed + _RANK_SALT * rank), batch)
-            new_state = new_state._replace(seed=state.seed)
+            new_state, metrics = inner(_replace(state, seed=state.seed + _RANK_SALT * rank), batch)
+            new_state = _replace(new_state, seed=state.seed)
         else:
             new_state, metrics = inner(state, batch)
         small = {"loss": metrics["loss"]}
@@ -83,7 +84,7 @@ def make_data_parallel_train_step(
         metrics = {**metrics, "loss": reduced["loss"]}
         if sync_buffers:
             buffers = {k: reduced.get(f"buffer/{k}", v) for k, v in new_state.buffers.items()}
-            new_state = new_state._replace(buffers=buffers)
+            new_state = _replace(new_state, buffers=buffers)
         return new_state, metrics
 
     return step

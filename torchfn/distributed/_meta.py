@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _check_rank
+from torchfn._checks import _check_rank, _replace
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
 from torchfn.functional import TrainState
@@ -89,6 +89,6 @@ def make_distributed_meta_train_step(
                       if torch.is_floating_point(v)})
         red = all_reduce_tree(small, op="mean", group=group, bucket_mb=bucket_mb)
         buffers = {k: red.get(f"buffer/{k}", v) for k, v in new_state.buffers.items()}
-        return new_state._replace(buffers=buffers), {**metrics, "loss": red["loss"]}
+        return _replace(new_state, buffers=buffers), {**metrics, "loss": red["loss"]}
 
     return step

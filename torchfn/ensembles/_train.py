@@ -23,6 +23,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
+from torchfn._checks import _replace
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
 from torchfn.functional import (
     DynamicLossScaler,
@@ -79,10 +80,10 @@ def init_ensemble_state(ensemble: Ensemble, optimizer: GradientTransformation, *
                              trainable=ensemble.trainable if trainable is None else trainable)
     n = ensemble.n_members
     scale = state.loss_scale
-    return state._replace(
-        loss_scale=LossScaleState(scale=scale.scale.expand(n).clone(),
-                                  growth_tracker=scale.growth_tracker.expand(n).clone()),
-        skipped=state.skipped.expand(n).clone())
+    return _replace(state,
+                    loss_scale=LossScaleState(scale=scale.scale.expand(n).clone(),
+                                              growth_tracker=scale.growth_tracker.expand(n).clone()),
+                    skipped=state.skipped.expand(n).clone())
 
 
 def _check_batch(where: str, batch: Any, n: int, shared: bool) -> tuple[Any, Any]:

@@ -31,6 +31,8 @@ from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 from torchopt.update import apply_updates
 
+from torchfn._checks import _replace
+
 __all__ = [
     "DynamicLossScaler",
     "LossScaleState",
@@ -519,6 +521,6 @@ def apply_gradients(
     if opts.lr_schedule is not None:
         lr = opts.lr_schedule(state.step) if callable(opts.lr_schedule) else opts.lr_schedule
         metrics["lr"] = torch.as_tensor(lr, dtype=torch.float32)
-    new_state = state._replace(params=new_params, buffers=new_buffers, opt_state=opt_state,
+    new_state = _replace(state, params=new_params, buffers=new_buffers, opt_state=opt_state,
                                step=state.step + 1, **fields)
     return new_state, metrics

@@ -45,7 +45,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import _compile_kwargs
+from torchfn._checks import _compile_kwargs, _replace
 from torchfn.functional import (
     DynamicLossScaler,
     LossScaleState,
@@ -301,7 +301,7 @@ class DPTrainStep:
             "grad_norm_mean": total.norm_sum / denom,
         }
         metrics.update({k: v for k, v in core.items() if k in ("skipped", "loss_scale", "lr")})
-        return new_state._replace(key=fold_in(state.key, _NEXT_SALT)), metrics
+        return _replace(new_state, key=fold_in(state.key, _NEXT_SALT)), metrics
 
     def _step(self, state: DPState, batch: tuple[Any, Any],
               valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
