@@ -58,7 +58,13 @@ def _check_same_structure(
     """Return ``(leaves_x, leaves_y, paths)`` or raise a ValueError naming what differs."""
     spec_x = optree.tree_structure(tree_x)
     spec_y = optree.tree_structure(tree_y)
-    if spec_x != spec_y:
+    if torch.compiler.is_compiling():
+        # Dynamo (torch 2.11 with optree 0.20) cannot trace PyTreeSpec.__eq__; compare the
+        # leaf paths (plain tuples) while tracing -- eager calls compare the full specs
+        differ = optree.tree_paths(tree_x) != optree.tree_paths(tree_y)
+    else:
+        differ = spec_x != spec_y
+    if differ:
         paths_x = {_path_str(p) for p in optree.tree_paths(tree_x)}
         paths_y = {_path_str(p) for p in optree.tree_paths(tree_y)}
         missing = sorted(paths_x - paths_y)
