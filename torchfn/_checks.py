@@ -160,3 +160,14 @@ def _replace(state: Any, **changes: Any) -> Any:
     if unknown:
         raise TypeError(f"{type(state).__name__} has no fields {sorted(unknown)}")
     return type(state)(*[changes[f] if f in changes else getattr(state, f) for f in fields])
+
+
+def _moved_getattr(module: str, moved: Mapping[str, str]) -> Any:
+    """Return a module ``__getattr__`` whose AttributeError names the new home of a moved name."""
+
+    def __getattr__(name: str) -> Any:
+        if name in moved:
+            raise AttributeError(f"{module}.{name} moved to {moved[name]}")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

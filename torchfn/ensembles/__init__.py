@@ -1,7 +1,6 @@
 """Ensembles: N models as one vmapped, compiled program (stacked params, per-member hyperparameters)."""
 
-from typing import Any
-
+from torchfn._checks import _moved_getattr
 from torchfn.ensembles._build import Ensemble as Ensemble
 from torchfn.ensembles._build import ensemble_apply as ensemble_apply
 from torchfn.ensembles._build import n_members as n_members
@@ -45,7 +44,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _moved_getattr(__name__, _MOVED)

@@ -1,7 +1,6 @@
 """Functional core: stateless models, pytree helpers, transforms, train step, checkpoints."""
 
-from typing import Any
-
+from torchfn._checks import _moved_getattr
 from torchfn.functional._batchnorm import BatchNorm as BatchNorm
 from torchfn.functional._batchnorm import functional_batch_norm as functional_batch_norm
 from torchfn.functional._batchnorm import replace_batchnorm as replace_batchnorm
@@ -116,7 +115,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _moved_getattr(__name__, _MOVED)

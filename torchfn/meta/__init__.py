@@ -1,7 +1,6 @@
 """Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile; tasks batched with vmap."""
 
-from typing import Any
-
+from torchfn._checks import _moved_getattr
 from torchfn.meta._maml import LR_PREFIX as LR_PREFIX
 from torchfn.meta._maml import MetaLearner as MetaLearner
 from torchfn.meta._maml import anil as anil
@@ -43,7 +42,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _moved_getattr(__name__, _MOVED)

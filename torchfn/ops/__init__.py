@@ -12,8 +12,7 @@ Example:
     tensor([-0.5000,  1.0000])
 """
 
-from typing import Any
-
+from torchfn._checks import _moved_getattr
 from torchfn.ops import reference as reference
 from torchfn.ops._activations import leaky_relu as leaky_relu
 from torchfn.ops._activations import sigmoid as sigmoid
@@ -62,7 +61,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise AttributeError(f"{__name__}.{name} moved to {_MOVED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _moved_getattr(__name__, _MOVED)
