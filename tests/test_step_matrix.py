@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import math
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -638,3 +639,59 @@ def test_compiled_ensemble_meta_dp_steps_with_new_features_do_not_recompile() ->
                              extra=(torch.ones(8, dtype=torch.bool),))
     assert int(state.skipped) == 1
     assert torch.equal(state.params["0.weight"], params["0.weight"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.parametrize("step_kind", ["train", "ensemble", "meta", "dp"])
+def test_cuda_amp_step_compiled_equals_eager(step_kind: str, amp: str) -> None:
+    """CUDA autocast in every step kind: Inductor-compiled == eager, frozen params untouched,
+    a NaN batch skipped and counted (the CPU matrix checks the numbers against references)."""
+    torch._dynamo.reset()
+    cuda = torch.device("cuda")
+    to_cuda = lambda tree: optree.tree_map(lambda t: t.to(cuda), tree)  # noqa: E731
+    cfg = _setup("nonfinite") | {"dtype": torch.float32}
+    opt = adamw(LR, weight_decay=WD)
+    kw = {"amp": amp, "max_grad_norm": 1.0}
+    extra: tuple = ()
+    if step_kind == "train":
+        model_fn, params, buffers = make_functional(_net(torch.float32, freeze=True).to(cuda))
+        step = make_train_step(model_fn, F.mse_loss, opt, grad_accum_steps=2, **kw)
+        state = init_train_state(params, buffers, opt, seed=0, trainable=model_fn.trainable,
+                                 loss_scale=2.0**8)
+        batches, frozen = to_cuda(_batches(cfg)), params["0.weight"]
+    elif step_kind == "ensemble":
+        ens = Ensemble.from_modules([_net(torch.float32, seed=s, freeze=True).to(cuda)
+                                     for s in range(N)])
+        step = make_ensemble_train_step(ens.model_fn, F.mse_loss, opt, grad_accum_steps=2, **kw)
+        state = init_ensemble_state(ens, opt, seed=0, loss_scale=2.0**8)
+        batches, frozen = to_cuda(_batches(cfg, lead=(N,))), ens.params["0.weight"]
+    elif step_kind == "meta":
+        model_fn, params, buffers = make_functional(_net(torch.float32, freeze=True).to(cuda))
+        learner = fomaml(model_fn, F.mse_loss, inner_lr=INNER_LR)
+        step = make_meta_train_step(learner, opt, **kw)
+        state = init_meta_state(learner, params, buffers, opt, loss_scale=2.0**8)
+        batches, frozen = to_cuda(_tasks(cfg)), params["0.weight"]
+    else:
+        ghost, params, buffers = make_ghost_model(
+            _net(torch.float32, freeze=True, whole_layer=True).to(cuda))
+        step = make_dp_train_step(ghost, _per_sample_loss, opt, noise_multiplier=1.0,
+                                  max_grad_norm=DP_C, sample_rate=DP_Q, dataset_size=DP_N,
+                                  amp=amp)
+        state = init_dp_state(params, buffers, opt, seed=0, trainable=ghost.trainable,
+                              loss_scale=2.0**8)
+        batches = to_cuda([(x[0], y[0]) for x, y in _batches(cfg, lead=(N,))])
+        frozen, extra = params["0.weight"], (torch.ones(8, dtype=torch.bool, device=cuda),)
+    compiled = torch.compile(step, fullgraph=True)
+    eager = state
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in batches:
+            state, _ = compiled(state, batch, *extra)
+            eager, _ = step(eager, batch, *extra)
+            torch.testing.assert_close(state.params, eager.params, rtol=2e-2, atol=2e-3)
+    skipped = state.skipped.tolist()
+    assert skipped == ([1, 0] if step_kind == "ensemble" else 1), skipped
+    assert torch.equal(state.params["0.weight"], frozen)
+    for k, v in state.params.items():
+        assert torch.isfinite(v).all(), k
