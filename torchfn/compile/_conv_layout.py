@@ -1,12 +1,12 @@
 """An Inductor graph pass: grouped convolutions (vmapped per-task conv weights) in channels-last.
 
 Under ``vmap`` over tasks, a conv with per-task weights is one *grouped* convolution
-(``groups = tasks``). In the NCHW layout cuDNN runs these with a slow generic kernel: on an H100
-(float32, TF32 off) a 32-task, 64->64-channel 3x3 conv over 75 images of 14x14 takes 19.6 ms
-forward in NCHW and 1.4 ms in channels-last (NHWC), and fwd+bwd 22.9 vs 5.9 ms; at 7x7 5.2 vs
-0.86 ms forward. With one input channel per group (a first layer on grey images) NHWC is the slow
-one (1.3 vs 6.1 ms), so the choice is per convolution, by channels per group -- Inductor's own
-layout optimisation is all or nothing, and skips grouped convolutions.
+(``groups = tasks``). In the NCHW layout cuDNN runs these with a slow generic kernel: in
+float32 (TF32 off) a 32-task, 64->64-channel 3x3 conv is many times faster forward, and several
+times faster forward+backward, in channels-last (NHWC). With one input channel per group (a
+first layer on grey images) NHWC is the slow one, so the choice is per convolution, by channels
+per group -- Inductor's own layout optimisation is all or nothing, and skips grouped
+convolutions.
 
 :func:`channels_last_grouped_convs` rewrites an FX graph of aten ops (Inductor's post-grad
 graph): every 2-D ``convolution`` and ``convolution_backward`` with ``groups > 1`` and at least
@@ -15,12 +15,12 @@ backward, the output gradient) as channels-last copies (``permute -> contiguous 
 the same values); cuDNN then picks its NHWC kernels and returns channels-last results, which
 the following convolutions take without another copy where Inductor can fuse it.
 
-End to end (the whole compiled MAML step, H100) the rewrite pays only with cuDNN TF32 on: 49 ms,
-against 108-117 ms for the step without it in float32 (not timed with TF32 on: its NCHW grouped
-kernel has no TF32 path -- eager, which uses it, was no faster with TF32). In float32 with TF32
-off the rewritten step got slower (131-142 ms): the profile shows cuDNN converting layouts
-inside its fp32 grouped kernels (~10,000 small conversion kernels, ~23 ms a step) and the
-support-set (5-image) convolutions and the weight gradients slower than in NCHW -- so
+End to end (the whole compiled MAML step) the rewrite pays only with cuDNN TF32 on, where it
+is much faster than the step without it in float32 (the NCHW grouped kernel has no TF32 path
+-- eager, which uses it, was no faster with TF32). In float32 with TF32 off the rewritten step
+got slower: the profile shows cuDNN converting layouts inside its fp32 grouped kernels (many
+small conversion kernels a step) and the support-set (5-image) convolutions and the weight
+gradients slower than in NCHW (see ``benchmarks/README.md``) -- so
 ``torchfn.compile.inductor_options()`` applies it only where :func:`channels_last_pays` (float32
 on CUDA with cuDNN TF32 allowed, torch's default).
 """
@@ -75,8 +75,8 @@ def channels_last_pays(x: torch.Tensor) -> bool:
     """Whether cuDNN's channels-last grouped convolutions are the fast ones for input ``x``.
 
     True for float32 CUDA tensors while ``torch.backends.cudnn.allow_tf32`` is on (torch's
-    default): cuDNN then has tensor-core NHWC kernels (the whole MAML step on an H100: 49 ms,
-    vs 108-117 ms unrewritten in float32). False otherwise: with TF32 off the fp32 NHWC
+    default): cuDNN then has tensor-core NHWC kernels (the whole MAML step is much faster than
+    unrewritten in float32). False otherwise: with TF32 off the fp32 NHWC
     grouped kernels were slower than NCHW, float64 has no such kernels, and half precision is
     not measured here (pass ``channels_last=True`` to try it), nor is anything off CUDA.
     """

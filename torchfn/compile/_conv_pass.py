@@ -15,8 +15,8 @@ the whole batch reduced inside a feature-map-sized kernel).
 (stride 1, dilation 1, no output padding) and replaces each by the weight-gradient it equals,
 ``convolution_backward(gO, ggI, ..., groups, mask=[F, T, F])[1]`` -- cuDNN's weight-gradient
 kernels, as XLA does when it rewrites such convolutions into backward-filter calls.
-On an H100 the compiled step with this pass took 108-117 ms (``benchmarks/results/
-2026-11-22-meta-h100*``); the step without it did not finish compiling within a benchmark call.
+Without this pass the benchmark's compiled MAML step did not finish compiling within a
+benchmark call; with it, it compiles and runs (see ``benchmarks/README.md``).
 :func:`inductor_options` returns ``torch.compile`` options that install it as a post-grad
 pass: ``torch.compile(step, fullgraph=True, options=inductor_options())``.
 """
@@ -237,12 +237,12 @@ def inductor_options(channels_last: bool | Literal["auto"] = "auto") -> dict[str
     weights (see :func:`channels_last_grouped_convs`): ``"auto"`` (default)
     channels-last exactly where :func:`channels_last_pays` -- float32 on CUDA with
     ``torch.backends.cudnn.allow_tf32`` on (torch's default), read at compile time -- ``True``
-    everywhere, ``False`` never. Measured end to end on an H100 (the MAML benchmark,
-    ``benchmarks/meta_profile.py``): with cuDNN TF32 on the rewritten step takes **49 ms**
-    (tensor-core NHWC kernels; the unrewritten step takes 108-117 ms in float32 and its NCHW
-    grouped kernel has no TF32 path), with TF32 off it is **slower** than unrewritten (131-142
-    ms: cuDNN's fp32 channels-last grouped kernels convert layouts internally and lose on the
-    small support batches). It adds ~15-30% to the compile time (368-439 s vs 307-329 s).
+    everywhere, ``False`` never. Why (end to end on the MAML benchmark,
+    ``benchmarks/meta_profile.py``; see ``benchmarks/README.md``): with cuDNN TF32 on the
+    rewritten step is much faster (tensor-core NHWC kernels; the unrewritten NCHW grouped kernel
+    has no TF32 path), with TF32 off it is **slower** than unrewritten (cuDNN's fp32
+    channels-last grouped kernels convert layouts internally and lose on the small support
+    batches). It also makes compiling take somewhat longer.
 
     Example:
         >>> sorted(inductor_options())

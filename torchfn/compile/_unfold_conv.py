@@ -2,20 +2,17 @@
 
 Under ``vmap`` over tasks every task has its own conv weights, so ``F.conv2d`` becomes one
 convolution with the tasks as groups, and in float32 (TF32 off) cuDNN runs grouped
-convolutions slowly: 19.5 ms for the query forward of the benchmark's layer 2 (32 groups of
-64 -> 64 channels, 75 images of 14x14; ``benchmarks/results/2026-11-22-meta-h100.md``). Written
-as ``weight.flatten(1) @ unfold(x)``, the same convolution is a matmul whose task dim
-``vmap`` turns into a batched GEMM, and so are its backward and double backward (``fold`` /
-``unfold`` in between). Measured on an H100 (fp32, TF32 off; a second-order block of two inner
-steps over 32 tasks, compiled, ``benchmarks/results/2026-11-22-meta-conv-unfold-micro-h100.txt``):
-14x14 3.75 ms vs 27.5 ms with ``F.conv2d``, 7x7 1.30 vs 9.15 ms. On the whole MAML step of
-``benchmarks/meta.py`` (4-block 64-channel conv net, 32 tasks, 5 inner steps, second order;
-``benchmarks/results/2026-11-23-meta-unfold-h100.md``), compiled: 33.1-37.1 ms with the default
-``min_patch`` (layers 2-4), 33.2-35.4 ms with ``min_patch=1`` (all four), against 108-117 ms
-with ``F.conv2d`` and JAX's 60-89 ms; 29.9 ms vs JAX's 45.8 ms with TF32 on both sides. It
-compiles faster too (162-250 s vs 307-329 s) but peaks at 5.8 GiB instead of 3.5 GiB. Eager
-it does not pay (301 vs 237 ms: the step is host-bound), and it holds ``prod(kernel_size)``
-times the input in memory per call.
+convolutions slowly (e.g. the benchmark's layer 2: 32 groups of 64 -> 64 channels over 75
+images of 14x14). Written as ``weight.flatten(1) @ unfold(x)``, the same convolution is a
+matmul whose task dim ``vmap`` turns into a batched GEMM, and so are its backward and double
+backward (``fold`` / ``unfold`` in between). Compiled, this is several times faster than
+``F.conv2d`` for second-order blocks of such layers, and makes the whole MAML step of
+``benchmarks/meta.py`` (4-block 64-channel conv net, 32 tasks, 5 inner steps, second order)
+several times faster in fp32 with the default ``min_patch`` (layers 2-4; ``min_patch=1``,
+all four layers, is about the same), and faster than JAX's, with TF32 on both sides too. It
+also compiles faster, but needs more peak memory. Eager it does not pay (the step is
+host-bound), and it holds ``prod(kernel_size)`` times the input in memory per call.
+Measurements and how to rerun them: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -96,8 +93,8 @@ def unfold_convs(module: nn.Module, *, min_patch: int = 64) -> nn.Module:
     to cuDNN). Parameter and buffer names and values are unchanged (the copy shares no
     tensors with ``module``), so ``make_functional`` of the copy takes the same dicts. Meant for
     MAML-style steps compiled with ``torch.compile``, where vmapped per-task convolutions
-    become batched GEMMs (see the module docstring for measurements: ~3x faster than
-    ``F.conv2d`` on an H100 for the standard 4-block few-shot conv net).
+    become batched GEMMs (see the module docstring: much faster than ``F.conv2d`` on CUDA for
+    the standard 4-block few-shot conv net).
 
     Known PyTorch issue: with ``min_patch`` low enough to unfold a 1-channel first layer,
     Inductor on CUDA (torch 2.11) failed to compile a small test net (``AssertionError: 9 v.s.

@@ -66,7 +66,7 @@ except (AttributeError, ValueError, OSError):
     _IOV_MAX = 16
 
 # Per-sample checksum algorithms: name -> f(bytes, running value) -> value (unsigned int).
-# xxh3_64 runs at ~60 GB/s, zlib's CRC32 at ~3-4 GB/s (benchmarks/results/2026-11-22-data-cpu.md).
+# xxh3_64 is an order of magnitude faster than zlib's CRC32 (see benchmarks/README.md).
 _CHECKSUMS: dict[str, Callable[[Any, int], int]] = {
     "xxh3_64": xxhash.xxh3_64_intdigest,
     "crc32": zlib.crc32,
@@ -297,8 +297,8 @@ class ShardWriter:
     only complete shards listed. ``close()`` flushes the last, possibly shorter, shard.
 
     ``checksum`` picks the per-sample checksum stored in each shard header: ``"xxh3_64"``
-    (default, ~60 GB/s) or ``"crc32"`` (zlib, ~3-4 GB/s; such shards are also readable by
-    torchfn versions from before the ``"checksum"`` header field).
+    (default, fast) or ``"crc32"`` (zlib, much slower to verify; such shards are also readable
+    by torchfn versions from before the ``"checksum"`` header field).
 
     Every field has one shape for all samples (batches stack it into ``(b, *shape)``), except
     the fields named in ``ragged``, whose shape may vary per sample (batches then hold them as

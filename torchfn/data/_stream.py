@@ -30,8 +30,8 @@ __all__ = ["StreamingDataset", "StreamingLoader", "state_from_stateful_loader"]
 
 _log = logging.getLogger("torchfn.data")
 _META = ("id", "padded", "rank", "worker", "position")
-# Samples at least this large are read with preadv into the batch (benchmarks/results: for
-# 48 KiB samples 2x faster than copying from a fresh memory map; for 3 KiB samples slower).
+# Samples at least this large are read with preadv into the batch (see benchmarks/README.md:
+# for large samples faster than copying from a fresh memory map; for small ones slower).
 _READ_MIN_BYTES = 16384
 
 

@@ -55,10 +55,10 @@ class MetaLearner:
 
     Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
-    instead of grouped cuDNN convolutions): the 4-block few-shot conv net's second-order step
-    (32 tasks, 5 inner steps) takes 33-37 ms on an H100 in fp32, against 108-117 ms without it
-    and 60-89 ms in JAX. For convolutions left as they are, pass ``torch.compile`` the options
-    of :func:`torchfn.meta.inductor_options`.
+    instead of grouped cuDNN convolutions), which makes the 4-block few-shot conv net's
+    second-order step several times faster in fp32 (see ``benchmarks/README.md``). For
+    convolutions left as they are, pass ``torch.compile`` the options of
+    :func:`torchfn.meta.inductor_options`.
     """
 
     def __init__(

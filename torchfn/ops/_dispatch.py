@@ -79,7 +79,7 @@ class Function(torch.autograd.Function):
     """``torch.autograd.Function`` whose eager ``apply`` skips a per-call ``inspect.signature``.
 
     ``torch.autograd.Function.apply`` binds every call's arguments to ``forward``'s signature
-    (``inspect.signature(...).bind(...).apply_defaults()``, ~20-35 us of host time per call) to
+    (``inspect.signature(...).bind(...).apply_defaults()``, a noticeable host cost per call) to
     fill in defaults. For a ``forward`` whose parameters are all plain positional ones without
     defaults, a call that passes all of them positionally binds to exactly its arguments, so
     this ``apply`` goes straight to the C++ ``apply`` (after the same dead-functorch-wrapper
@@ -191,8 +191,8 @@ def plain_backward() -> bool:
     and jvp) may call that library op directly: the same kernel on the same inputs, without the
     second Function's host overhead (``Function.apply`` binds its arguments with
     ``inspect.signature``, builds a ctx, saves tensors). That overhead is what separates the
-    public ops from their raw kernels in ``benchmarks/ops.py`` / ``ops_ghost.py`` on an H100
-    (the same full-size kernels run in both; the host's Python time shows in the timings).
+    public ops from their raw kernels in ``benchmarks/ops.py`` / ``ops_ghost.py`` (the same
+    full-size kernels run in both; the host's Python time is the difference).
     """
     if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
         return False

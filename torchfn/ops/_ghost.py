@@ -372,15 +372,14 @@ _build.on_load(_register_fakes)
 # Dispatch rules (eager calls; under torch.compile the twins always run). Keys: the norms are
 # split by path -- "linear_grad_norms_sq" (2-D), "linear_grad_norms_sq_gram" and
 # "linear_grad_norms_sq_materialize" (3-D) -- and "clipped_linear_grad_sum". Sizes are numel(a).
-# Measured with benchmarks/ops_ghost.py (results: benchmarks/results/2026-11-22-ops-ghost-h100.md):
+# Thresholds come from benchmarks/ops_ghost.py (see benchmarks/README.md):
 # - Forward without autograd: the kernels are as fast as or faster than the eager twins at every
-#   size on the H100 (2-D: one fused pass at 73-97% of copy bandwidth vs ~30% for the twin).
-# - With autograd recording, the two Functions cost ~0.1-0.2 ms of Python per call, which the
-#   kernels recover only on large inputs: 2-D norms from ~2^24 elements of a (H100) -- at
-#   2^27 the kernel is 2.5x faster than the eager twin; 3-D Gram from ~2^21 (1.7x faster at
-#   2^25); the 3-D materialised backward is the twin's own two GEMMs, so the twin is picked
-#   there at every size; the clipped sum's backward is plain torch, equal at large sizes
-#   (2^22 crossover in the noisy sweep). CPU thresholds come from a noisy 2-core sweep.
+#   size on CUDA (2-D: one fused pass near copy bandwidth, where the twin makes several).
+# - With autograd recording, the two Functions add a fixed Python cost per call, which the
+#   kernels recover only on large inputs: hence a size threshold for the 2-D norms and for the
+#   3-D Gram form; the 3-D materialised backward is the twin's own two GEMMs, so the twin is
+#   picked there at every size; the clipped sum's backward is plain torch, equal at large sizes
+#   (its threshold is the crossover of a noisy sweep). CPU thresholds come from a noisy sweep.
 _RULES = {
     "cuda": {
         "linear_grad_norms_sq": {"min_numel": 0, "min_numel_grad": 1 << 24},

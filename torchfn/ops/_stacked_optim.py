@@ -16,8 +16,8 @@ float64) and rounded once; moments may be float32 for float16/bfloat16 parameter
 
 Dispatch (:mod:`torchfn.ops._dispatch`): eager calls run the kernel (through the raw library op
 when nothing needs a derivative, which skips the Function's Python overhead); while
-``torch.compile`` traces they run the reference twin, which Inductor fuses (measured in
-``benchmarks/results/2026-11-22-ops-stacked_optim-h100.md``).
+``torch.compile`` traces they run the reference twin, which Inductor fuses (see
+``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class _StackedAdamFn(torch.autograd.Function):
     def forward(*args):  # type: ignore[no-untyped-def, override]
         # (grad, mu, nu, param, count, lr, weight_decay, beta1, beta2, eps, eps_root,
         #  decoupled, maximize); ``*args`` because Function.apply binds the signature of
-        # forward with inspect on every call, which costs ~40 us for 13 named parameters.
+        # forward with inspect on every call, which is slow for 13 named parameters.
         return tuple(torch.ops.torchfn.stacked_adam_update(*args))
 
     @staticmethod
@@ -207,9 +207,9 @@ def _needs_autograd(args: tuple[Any, ...]) -> bool:
     """Return True unless the raw op gives the same result as the autograd.Function.
 
     The Function is needed under torch.func transforms (vmap, grad, jvp: its rules), inside
-    a forward-AD ``dual_level`` and when an input requires grad; otherwise calling the library op directly skips ~20-40 us of
-    Python per call (``Function.apply`` binds its arguments with ``inspect``), which matters
-    for an optimizer step over many small leaves.
+    a forward-AD ``dual_level`` and when an input requires grad; otherwise calling the library
+    op directly skips the Function's Python cost per call (``Function.apply`` binds its
+    arguments with ``inspect``), which matters for an optimizer step over many small leaves.
     """
     if torch._C._are_functorch_transforms_active():
         return True

@@ -6,8 +6,8 @@ stacked leaves that share N, dtype and device, and one count, lr and weight deca
 single-leaf Functions in :mod:`torchfn.ops._stacked_optim` (applied leaf by leaf, with the
 derivatives of lr and weight decay summed over the leaves). The stacked optimizers of
 :mod:`torchfn.optim` call :func:`stacked_adam_update_multi` / :func:`stacked_sgd_update_multi`
-once per group of leaves; measured on an H100, one call instead of one per leaf is what makes an eager
-ensemble step fast (the per-leaf Python cost exceeds the kernels' time).
+once per group of leaves; one call instead of one per leaf is what makes an eager ensemble
+step fast (the per-leaf Python cost exceeds the kernels' time).
 """
 
 from __future__ import annotations

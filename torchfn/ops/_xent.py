@@ -51,16 +51,15 @@ __all__ = ["softmax_cross_entropy"]
 _OP = "softmax_cross_entropy"
 _REDUCTIONS = ("none", "sum", "mean")
 
-# Dispatch rules, from benchmarks/ops.py on an H100 (benchmarks/results/
-# 2026-11-22-ops-xent-h100.md). The kernels themselves reach 95-110% (fp32) / 62-92% (bf16) of
-# copy bandwidth and beat the twin, Inductor's twin and F.cross_entropy at 2^28 logits; what
-# decides small sizes is host overhead: the autograd.Function path costs ~0.5 ms more per
+# Dispatch rules, from benchmarks/ops.py (see benchmarks/README.md). The kernels themselves run
+# near copy bandwidth and beat the twin, Inductor's twin and F.cross_entropy on large logits;
+# what decides small sizes is host overhead: the autograd.Function path costs more host time per
 # forward + backward than the twin's few eager ops, so the twin wins while both are host-bound.
 # CPU: always the twin. torch's log_softmax/nll vectorise exp (SLEEF, AVX2/AVX-512), the C++
 # kernel uses scalar std::exp; the CPU kernel stays the portable reference of the CUDA one (opt
 # in with set_rule("softmax_cross_entropy", "cpu", min_numel=0, min_numel_grad=0)).
-# CUDA, eager: the kernel from 2^25 logits elements, forward only or with backward (at 2^25
-# bf16 is 1.5x faster on the kernel, fp32 8% slower; from 2^26 both dtypes are faster).
+# CUDA, eager: the kernel from 2^25 logits elements, forward only or with backward (around
+# 2^25 bf16 already gains from the kernel and fp32 roughly breaks even; above it both gain).
 RULES: dict[str, dict[str, int | None]] = {
     "cpu": {"min_numel": None, "min_numel_grad": None},
     "cuda": {"min_numel": 1 << 25, "min_numel_grad": 1 << 25},
@@ -68,9 +67,9 @@ RULES: dict[str, dict[str, int | None]] = {
 for _device, _fields in RULES.items():
     set_rule(_OP, _device, **_fields)
 # Inside torch.func transforms an autograd.Function costs several times more host time (every
-# level re-wraps it: ~7 ms for MAML's vmap(grad(grad)) on the H100 host), so the kernel path
-# needs the whole vmapped batch to hold this many logits elements (MAML second-order loss: the
-# twin wins up to 2^26, the kernel at 2^28, 1.6x).
+# level re-wraps it, e.g. three levels under MAML's vmap(grad(grad))), so the kernel path needs
+# the whole vmapped batch to hold this many logits elements (MAML second-order loss: the twin
+# wins up to 2^26, the kernel at 2^28).
 TRANSFORM_MIN_NUMEL: dict[str, int] = {"cuda": 1 << 27}
 
 

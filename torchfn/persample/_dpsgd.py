@@ -341,10 +341,10 @@ class DPTrainStep:
         ``kwargs`` go to ``torch.compile``. Unless ``options``, ``mode`` or a backend other than
         Inductor is given, Inductor's
         buffer reuse is switched off (``options={"allow_buffer_reuse": False}``): on CUDA
-        (torch 2.11, H100) the fused step of a 4-layer transformer otherwise failed at launch with "CUDA
+        (torch 2.11) the fused step of a 4-layer transformer otherwise failed at launch with "CUDA
         driver error: invalid argument" -- Inductor handed the one-element kernel that advances
         the noise key a reused buffer whose pointer Triton cannot access. Without reuse the
-        step runs, equals eager, and was no slower (CNN 1.68 vs 2.28 ms; peak memory lower).
+        step runs, equals eager, and was not slower in the benchmarks (with lower peak memory).
         """
         new = DPTrainStep.__new__(DPTrainStep)
         new.__dict__.update(self.__dict__)

@@ -116,10 +116,9 @@ class _LinearLike(Prepared):
     (``T (d_in + d_out) > d_in d_out``, e.g. convs, ``T`` = output positions), or, once a
     weighted sum is expected, in float32 without TF32 when the Gram form's ``2 B T^2 (d_in +
     d_out)`` multiply-adds outweigh moving ``G`` a few times (``T^2 (d_in + d_out) >= 64 d_in
-    d_out``; its memory is then at most ~1.5x the layer's own ``a`` and ``g``). Measured on an
-    H100 (graphed DP-SGD steps, ``benchmarks/results/2026-11-22-persample-h100.md``): CNN DP /
-    non-private 1.41x -> 1.24x (its convs; runs 4 and 5), transformer 6.93 -> 6.49-6.52 ms in
-    one run (its 16 linears at T = 128).
+    d_out``; its memory is then at most 1.5 times that of the layer's own ``a`` and ``g``).
+    Both cases made graphed DP-SGD steps faster on CUDA: the benchmark CNN (its convs) and the
+    benchmark transformer (its linears at T = 128); see ``benchmarks/README.md``.
     """
 
     def __init__(self, a: Tensor, g: Tensor, groups: int, weight_shape: torch.Size,
@@ -146,8 +145,8 @@ class _LinearLike(Prepared):
         t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
         if not gram_is_cheaper(t, d_in, d_out):
             return True
-        # fp32 SIMT GEMMs: ~13 flop per byte of bandwidth on an H100; with tensor cores (TF32,
-        # half types) the Gram form's FLOPs are ~10x cheaper: not measured, not chosen
+        # fp32 SIMT GEMMs do few flops per byte of memory bandwidth on current GPUs; with tensor
+        # cores (TF32, half types) the Gram form's FLOPs are far cheaper: not measured, not chosen
         simt = a.dtype == torch.float32 and _fp32_matmul_is_highest()
         return self._bookkeeping and simt and t * t * (d_in + d_out) >= 64 * d_in * d_out
 
@@ -281,10 +280,10 @@ class _ConvGrouped(Prepared):
     1); one ``(x, g)`` pair per call of the layer.
 
     It never holds the ``prod(kernel)``-times-larger patches of the unfold route, but it is
-    slower on an H100: the benchmark CNN's graphed DP-SGD step took 1.088 vs 1.009 ms with
-    conv1 (1->32 channels) on this route, though conv1's norms alone measured faster
-    (``benchmarks/conv_norms.py``: 0.113 vs 0.148 ms), and cuDNN's batch-as-groups kernel is
-    >10x slower than the unfold GEMMs for conv2 (32->64). Hence opt-in:
+    slower on CUDA: the benchmark CNN's graphed DP-SGD step got slower with conv1 (1->32
+    channels) on this route, though conv1's norms alone were faster
+    (``benchmarks/conv_norms.py``), and cuDNN's batch-as-groups kernel is far slower than the
+    unfold GEMMs for conv2 (32->64); see ``benchmarks/README.md``. Hence opt-in:
     ``make_ghost_model(conv_method="grouped")``.
     """
 
