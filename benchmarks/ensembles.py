@@ -117,8 +117,11 @@ class TorchfnStep:
         self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
         # "graphed-nonorm": no grad_norm metric, i.e. the outputs JAX's step has (new params
         # and optimizer state; the loss is kept)
+        # "noguard": the non-finite guard off (it is on by default), to see what it costs
         step = make_ensemble_train_step(self.model_fn, nn.functional.cross_entropy, self.opt,
-                                        grad_norm="nonorm" not in mode)
+                                        grad_norm="nonorm" not in mode,
+                                        skip_nonfinite="noguard" not in mode)
+        mode = mode.replace("-noguard", "")
         self.plain_step = step
         self.mode = mode
         if mode == "compiled":
@@ -379,7 +382,7 @@ def main() -> None:
         side[f"torchfn_{m}"] = guarded(f"torchfn {m}", budget,
                                        lambda s=s: s.bench(n, sizes, batch, device, reps))
     for mode in args.graphed.split(","):
-        gr = TorchfnStep(sizes, device, mode, n)
+        gr = TorchfnStep(sizes, device, mode, n)  # "-noguard" suffix: guard off
         side[f"torchfn_{mode.replace('-', '_')}"] = guarded(
             f"torchfn make_graphed_step ({mode})", budget,
             lambda gr=gr: gr.bench(n, sizes, batch, device, reps))
