@@ -581,15 +581,13 @@ NEEDS = {"bert": ("transformers",), "gpt2": ("transformers",), "vit_hf": ("trans
 NAMES = tuple(BUILDERS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _built(name: str, dtype: torch.dtype, device: str, seed: int) -> ZooModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         entry = BUILDERS[name]()
-    training = entry.module.training
-    module = entry.module.to(device=device, dtype=dtype).train(training)
-    return entry if module is entry.module else ZooModel(entry.name, module, entry.batch,
-                                                         entry.loss_fn, entry.needs)
+    entry.module.to(device=device, dtype=dtype)  # in place: the batch makers see it
+    return entry
 
 
 def build(name: str, *, dtype: torch.dtype = torch.float64, device: str = "cpu",
@@ -600,10 +598,6 @@ def build(name: str, *, dtype: torch.dtype = torch.float64, device: str = "cpu",
     out, so one test mutating its module cannot change another's.
     """
     entry = _built(name, dtype, device, seed)
-    module = copy.deepcopy(entry.module)
-    return ZooModel(entry.name, module, _rebind(entry, module), entry.loss_fn, entry.needs)
-
-
-def _rebind(entry: ZooModel, module: nn.Module) -> Callable[[int, int], Batch]:
     # the batch makers only read the module's dtype/device, which the copy shares
-    return entry.batch
+    return ZooModel(entry.name, copy.deepcopy(entry.module), entry.batch, entry.loss_fn,
+                    entry.needs)
