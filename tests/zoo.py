@@ -377,6 +377,26 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.scale * self.lora_B(self.lora_A(x))
 
 
+class LoRAParamLinear(nn.Module):
+    """LoRA written with raw ``nn.Parameter`` A/B next to the frozen ``base`` Linear."""
+
+    def __init__(self, d_in: int, d_out: int, r: int = 2, alpha: float = 4.0) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(r, d_in) / d_in**0.5)
+        self.lora_B = nn.Parameter(torch.randn(d_out, r) / r**0.5)
+        self.scale = alpha / r
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + self.scale * (x @ self.lora_A.T) @ self.lora_B.T
+
+
+def lora_param() -> ZooModel:
+    m = nn.Sequential(LoRAParamLinear(6, 16), nn.ReLU(), LoRAParamLinear(16, N_CLASSES))
+    return ZooModel("lora_param", m, _features(m, 6), class_loss)
+
+
 def lora_mlp() -> ZooModel:
     m = nn.Sequential(LoRALinear(6, 16), nn.ReLU(), LoRALinear(16, N_CLASSES))
     return ZooModel("lora_mlp", m, _features(m, 6), class_loss)
@@ -571,6 +591,7 @@ BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "ckpt_torchfn": ckpt_torchfn,
     "tied_lm": tied_lm,
     "lora_mlp": lora_mlp,
+    "lora_param": lora_param,
     "resnet": resnet,
     "resnet_eval": resnet_eval,
     "convnext": convnext,
