@@ -224,7 +224,7 @@ def to_meta_(module: nn.Module, memo: dict[int, Tensor]) -> None:
     for sub in module.modules():
         for slots in (sub._parameters, sub._buffers):
             for name, t in slots.items():
-                if t is None:
+                if t is None or t.is_meta:  # done already (a layer nested in another)
                     continue
                 if id(t) not in memo:
                     meta = torch.empty_like(t, device="meta")
