@@ -293,8 +293,8 @@ def test_transformer_with_multihead_attention_matches_loop() -> None:
     assert ghost.layer_kinds["mha"] == "fallback"
 
 
-def test_root_owning_parameters_becomes_one_fallback_layer() -> None:
-    """TinyTransformer owns ``pos`` itself: the whole model is one vmap-fallback layer."""
+def test_root_owning_parameters_keeps_its_children_ghost() -> None:
+    """TinyTransformer owns ``pos`` itself: ``pos`` is a "direct" layer, the rest stay ghost."""
 
     class WithPos(TinyTransformer):
         def forward(self, ids: Tensor) -> Tensor:
@@ -304,7 +304,10 @@ def test_root_owning_parameters_becomes_one_fallback_layer() -> None:
     torch.manual_seed(5)
     net = WithPos()
     ghost, _, _ = make_ghost_model(net)
-    assert ghost.layer_kinds == {"": "fallback"}
+    assert ghost.layer_kinds == {"emb": "embedding", "mha": "fallback", "ln1": "norm",
+                                 "qkv": "linear", "proj": "linear", "ln2": "norm",
+                                 "head": "linear", "": "direct"}
+    assert ghost.layer_params[""] == ("pos",)
     assert_matches_loop(net, torch.randint(0, 7, (B, 6)), torch.randint(0, 3, (B,)), xent)
 
 

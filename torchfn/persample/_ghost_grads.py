@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -20,6 +21,9 @@ class Layer(NamedTuple):
     rule: Rule
     params: dict[str, str]  # local name -> global (make_functional) name
     buffers: dict[str, str]
+    # local -> global names of the other parameters a rule's recompute needs as constants
+    # (a "direct" layer: the parameters of the module's children)
+    consts: Mapping[str, str] = MappingProxyType({})
 
 
 class GhostResult(NamedTuple):

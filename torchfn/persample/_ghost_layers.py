@@ -97,7 +97,7 @@ class Instantiated(Prepared):
         self.grads = grads
 
     def sq_norms(self) -> Tensor:
-        return sum(g.flatten(1).square().sum(1) for g in self.grads.values())  # type: ignore[return-value]
+        return sum(g.reshape(g.shape[0], -1).square().sum(1) for g in self.grads.values())  # type: ignore[return-value]
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         return {k: torch.tensordot(_coef(coef, g), g, dims=1) for k, g in self.grads.items()}

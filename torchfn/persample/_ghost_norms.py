@@ -40,7 +40,11 @@ from torch import Tensor, nn
 
 from torchfn.functional import FunctionalModel, make_functional
 from torchfn.persample._ghost_grads import GhostGrads, GhostResult, Layer
-from torchfn.persample._ghost_instantiated import refuse_batchnorm_training, rule_for
+from torchfn.persample._ghost_instantiated import (
+    FallbackRule,
+    refuse_batchnorm_training,
+    rule_for,
+)
 from torchfn.persample._ghost_layers import (
     CONV_METHODS,
     Calls,
@@ -72,6 +76,68 @@ __all__ = [
 TensorDict = dict[str, Tensor]
 LossFn = Callable[[Any, Any], Tensor]
 _SHAPE_CACHE_SIZE = 64  # eager probe-shape entries kept per GhostModel (oldest dropped)
+# modules whose forward reads their children's weights without calling the children: never
+# split into a "direct" layer plus child layers (the whole module is one fallback layer)
+_WHOLE_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+class DirectRule(FallbackRule):
+    """The parameters a module owns directly, beside child layers that keep their own rules.
+
+    The module's tap records its calls and output gradients (its children's taps record in
+    the same pass); the direct parameters' per-sample gradients are a per-sample ``vjp`` of
+    the module's own forward with respect to them only, under ``vmap`` (the children run
+    untapped, with their parameters as constants): exact, and the children stay ghost.
+    """
+
+    kind = "direct"
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Nothing to refuse: the children are checked as layers of their own."""
+
+
+def _tensor_leaves(obj: Any, path: str, out: list[tuple[str, Tensor]]
+                   ) -> list[tuple[str, Tensor]]:
+    """``(path, tensor)`` for every tensor in a nest of tuples/lists/dicts (depth first)."""
+    if isinstance(obj, Tensor):
+        out.append((path, obj))
+    elif isinstance(obj, (tuple, list)):
+        for i, x in enumerate(obj):
+            _tensor_leaves(x, f"{path}[{i}]", out)
+    elif isinstance(obj, Mapping):
+        for k, x in obj.items():
+            _tensor_leaves(x, f"{path}[{k!r}]", out)
+    return out
+
+
+def batch_size_of(inputs: Any, where: str) -> int:
+    """Return ``B``, the dim 0 shared by every tensor of ``inputs`` (0-d tensors aside).
+
+    Raises ``ValueError`` naming the first tensor (path and shape) that disagrees.
+    """
+    leaves = [(p, t) for p, t in _tensor_leaves(inputs, "inputs", []) if t.dim() > 0]
+    if not leaves:
+        raise ValueError(f"{where}: inputs must hold at least one tensor with the batch in "
+                         f"dim 0, got {type(inputs).__name__} without one")
+    first, t0 = leaves[0]
+    batch = t0.shape[0]
+    for path, t in leaves[1:]:
+        if t.shape[0] != batch:
+            raise ValueError(
+                f"{where}: {path} has shape {tuple(t.shape)}, but {first} has batch size "
+                f"{batch} in dim 0 (shape {tuple(t0.shape)}); every tensor of inputs must "
+                "have the batch in dim 0. Expand a tensor shared by the batch to it "
+                "(t.expand(B, ...)) or build it inside the model"
+            )
+    return batch
+
+
+def call_model(model_fn: Callable[..., Any], params: Mapping[str, Tensor],
+               buffers: Mapping[str, Tensor], inputs: Any) -> tuple[Any, TensorDict]:
+    """``model_fn(params, buffers, **inputs)`` for a dict of inputs, else ``(..., inputs)``."""
+    if isinstance(inputs, Mapping):
+        return model_fn(params, buffers, **inputs)
+    return model_fn(params, buffers, inputs)
 
 
 class GhostModel:
@@ -82,8 +148,13 @@ class GhostModel:
     ``model_fn`` (so it also serves for evaluation and non-private training).
     :meth:`per_sample` runs one forward and one backward and returns :class:`GhostGrads`.
 
+    ``inputs`` of :meth:`per_sample` (and of :func:`ghost_grad_norms`,
+    :func:`check_ghost_coverage`, the DP step) is one tensor or tuple, passed as the single
+    positional argument, or a dict of batched tensors, passed as keywords
+    (``module(**inputs)``, HF style); every tensor in it has the batch in dim 0.
+
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
-    "embedding" | "norm" | "fallback"}``), ``layer_params`` (``{layer: (param names)}``),
+    "embedding" | "norm" | "fallback" | "direct"}``), ``layer_params`` (``{layer: (param names)}``),
     ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
     noised), ``trainable`` (the other parameter names), ``param_names``, ``buffer_names``,
     ``training``.
@@ -135,16 +206,14 @@ class GhostModel:
             return self._shape_cache[key]
         tape = self._tape
         tape.reset()
-        tape.mode = "shape"
+        tape.mode, tape.batch = "shape", batch_size_of(inputs, "GhostModel.per_sample")
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _no_mha_fastpath():
                 if compiling:
-                    self._model_fn(params, buffers, inputs)
+                    call_model(self._model_fn, params, buffers, inputs)
                 else:  # a real forward: keep the random streams as they were
-                    devices = sorted({t.device.index or 0 for t in params.values()
-                                      if t.device.type == "cuda"})
-                    with torch.random.fork_rng(devices=devices):
-                        self._model_fn(params, buffers, inputs)
+                    with torch.random.fork_rng(devices=_cuda_devices(params)):
+                        call_model(self._model_fn, params, buffers, inputs)
             shapes = tape.shapes
         finally:
             tape.reset()
@@ -161,7 +230,9 @@ class GhostModel:
 
         ``outputs, new_buffers = ghost(params, buffers, inputs)``; ``loss_fn(outputs,
         targets)`` must return the ``(B,)`` per-sample losses (e.g. ``F.cross_entropy(...,
-        reduction="none")``); sample ``i``'s gradient is that of ``losses[i]``. Works under
+        reduction="none")``); sample ``i``'s gradient is that of ``losses[i]``. ``inputs``: a
+        tensor or tuple (one positional argument) or a dict (keywords), every tensor with the
+        batch ``B`` in dim 0 (else ``ValueError`` naming it). Works under
         ``torch.compile(fullgraph=True)``. ``bookkeeping=True`` says a ``weighted_sum`` will
         follow the norms (DP-SGD's clipped sum): sequence layers may then keep the per-sample
         gradients the norms materialise, where that makes norms plus sum cheaper (same
@@ -180,6 +251,7 @@ class GhostModel:
             >>> res.grads.weighted_sum(torch.ones(6))["0.weight"].shape  # the summed gradient
             torch.Size([8, 4])
         """
+        batch = batch_size_of(inputs, "GhostModel.per_sample")
         specs = self._probe_specs(params, buffers, inputs)
         probes = {name: [[torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in call]
                          for call in calls] for name, calls in specs.items()}
@@ -188,9 +260,9 @@ class GhostModel:
 
         def objective(probes: dict[str, list[list[Tensor]]]) -> tuple[Tensor, Any]:
             tape.reset()
-            tape.mode, tape.probes = "record", probes
+            tape.mode, tape.probes, tape.batch = "record", probes, batch
             try:
-                outputs, new_buffers = self._model_fn(params, buffers, inputs)
+                outputs, new_buffers = call_model(self._model_fn, params, buffers, inputs)
                 calls = tape.calls
             finally:
                 tape.reset()
@@ -202,6 +274,12 @@ class GhostModel:
                     "GhostModel.per_sample: loss_fn(outputs, targets) must return the (B,) "
                     f"per-sample losses (e.g. reduction='none'), got {seen}"
                 )
+            if losses.shape[0] != batch:
+                raise ValueError(
+                    f"GhostModel.per_sample: loss_fn(outputs, targets) returned "
+                    f"{losses.shape[0]} per-sample losses, but the inputs have batch size "
+                    f"{batch} (dim 0); return one loss per example"
+                )
             saved = {}
             for name, cs in calls.items():
                 static[name] = template_of(cs)
@@ -210,23 +288,23 @@ class GhostModel:
 
         grads, (losses, outputs, new_buffers, saved) = torch.func.grad(
             objective, has_aux=True)(probes)
-        batch = losses.shape[0]
         prepared: dict[str, Prepared] = {}
         for name, tensors in saved.items():
             calls: Calls = fill_slots(static[name], iter(tensors))
             bad = batch_dims_ok(calls, grads[name], batch)
             if bad is not None:
                 raise GhostLayerError(
-                    f"ghost layer {name!r}: {bad}, but the batch size (of the per-sample "
-                    f"losses) is {batch}; ghost per-sample gradients need the batch in dim 0 "
-                    "of every layer input and output. A layer applied to inputs shared by "
-                    "the batch (e.g. a positional embedding of arange(T)) must get them "
-                    "expanded to the batch: pos(torch.arange(T).expand(B, T))"
+                    f"ghost layer {name!r}: {bad}, but the batch size (of the inputs) is "
+                    f"{batch}; ghost per-sample gradients need the batch in dim 0 of every "
+                    "layer input and output (or dim 0 of size 1 for a call shared by the "
+                    "batch, e.g. a positional embedding of arange(T)[None])"
                 )
             layer = self._layers[name]
+            consts = local(buffers, layer.buffers)
+            if layer.consts:
+                consts.update(local(params, layer.consts))
             prepared[name] = layer.rule.prepare(
-                layer.module, name, local(params, layer.params), local(buffers, layer.buffers),
-                calls, grads[name])
+                layer.module, name, local(params, layer.params), consts, calls, grads[name])
         if bookkeeping:
             for p in prepared.values():
                 p.expect_weighted_sum()
@@ -235,8 +313,36 @@ class GhostModel:
         return GhostResult(ghost_grads, losses, outputs, new_buffers)
 
 
-def _direct_params(m: nn.Module) -> list[Tensor]:
-    return [p for p in m._parameters.values() if p is not None]
+def _cuda_devices(params: Mapping[str, Tensor]) -> list[int]:
+    return sorted({t.device.index or 0 for t in params.values() if t.device.type == "cuda"})
+
+
+class _no_mha_fastpath:
+    """Switch off torch's fused TransformerEncoder/MultiheadAttention inference path.
+
+    The shape pass runs without gradients, where an eval-mode ``nn.TransformerEncoder`` would
+    take a fused kernel that reads its layers' weights without calling them (so their taps
+    would not see the call that the recording pass, with gradients, makes).
+    """
+
+    def __enter__(self) -> None:
+        self._was = None
+        if not torch.compiler.is_compiling():  # Dynamo skips the setter (a global flag)
+            self._was = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was is not None:
+            torch.backends.mha.set_fastpath_enabled(self._was)
+
+
+def _direct_params(m: nn.Module) -> list[tuple[str, Tensor]]:
+    return [(k, p) for k, p in m._parameters.items() if p is not None]
+
+
+def _dedup(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    seen: set[int] = set()
+    return [(k, p) for k, p in named if not (id(p) in seen or seen.add(id(p)))]
 
 
 def make_ghost_model(
@@ -287,12 +393,17 @@ def make_ghost_model(
     frozen: list[str] = []
     owner: dict[int, str] = {}
 
-    def adopt(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
-        rule = rule_for(m, fallback_chunk_size, conv_method)
+    def adopt(parent: nn.Module, attr: str, m: nn.Module, name: str,
+              direct: bool = False) -> None:
+        # direct: a layer of m's own parameters only (its children are layers of their own)
+        rule = (DirectRule(fallback_chunk_size) if direct
+                else rule_for(m, fallback_chunk_size, conv_method))
         rule.check(m, name)
         refuse_batchnorm_training(m, name)
-        named = list(m.named_parameters())
-        for _, p in m.named_parameters(remove_duplicate=False):
+        named_all = _direct_params(m) if direct else list(m.named_parameters(
+            remove_duplicate=False))
+        named = _dedup(named_all) if direct else list(m.named_parameters())
+        for _, p in named_all:
             if id(p) in owner and owner[id(p)] != name:
                 raise GhostLayerError(
                     f"make_ghost_model: parameter {primary[id(p)]!r} is shared by layers "
@@ -313,17 +424,27 @@ def make_ghost_model(
             )
         params = {loc: primary[id(p)] for loc, p in named}
         buffers = {loc: primary[id(b)] for loc, b in m.named_buffers()}
-        layers[name] = Layer(m, rule, params, buffers)
+        consts = {loc: primary[id(p)] for loc, p in m.named_parameters(remove_duplicate=False)
+                  if direct and "." in loc}
+        layers[name] = Layer(m, rule, params, buffers, consts)
         parent._modules[attr] = Tap(m, name, tape)
 
     def visit(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
-        if rule_for(m).kind != "fallback" or _direct_params(m):
-            if any(True for _ in m.parameters()):
-                adopt(parent, attr, m, name)
+        if not any(True for _ in m.parameters()):
+            return
+        direct = _direct_params(m)
+        nested = any(True for c in m.children() for _ in c.parameters())
+        tied = direct and (len(list(m.named_parameters(remove_duplicate=False)))
+                           != len(list(m.named_parameters())))
+        if (rule_for(m).kind != "fallback" or isinstance(m, _WHOLE_TYPES)
+                or (direct and not nested) or tied):
+            adopt(parent, attr, m, name)  # one layer with its whole subtree
             return
         for child_attr, child in list(m._modules.items()):
             if child is not None:
                 visit(m, child_attr, child, f"{name}.{child_attr}" if name else child_attr)
+        if direct:
+            adopt(parent, attr, m, name, direct=True)
 
     visit(root_holder, "root", root_holder.root, "")
     tapped = root_holder.root
@@ -377,11 +498,17 @@ def check_ghost_coverage(
 ) -> None:
     """Raise ``ValueError`` unless ghost gradients add up to autograd's gradient on this batch.
 
-    Compares ``GhostGrads.weighted_sum(ones)`` with ``torch.func.grad`` of ``sum_i loss_i``
-    for every parameter. A mismatch means some parameter is used outside the forward of the
-    layer that owns it (a parent reading ``self.head.weight``, weights tied by reference in
-    ``forward``) or a layer mixes samples; per-sample norms would then be wrong. Run it once,
-    eagerly, on a real batch before training (float64 gives the sharpest check).
+    Compares ``GhostGrads.weighted_sum(c)`` with ``torch.func.grad`` of ``sum_i c_i loss_i``
+    for every parameter, with random weights ``c_i`` in ``[1, 2)`` (so a gradient credited to
+    the wrong sample is caught too, not only a missing one). A mismatch means some parameter
+    is used outside the forward of the layer that owns it (a parent reading
+    ``self.head.weight``, weights tied by reference in ``forward``), a layer mixes samples, or
+    a call shared by the batch (leading dim 1) has its output indexed or reduced over dim 0
+    rather than broadcast; per-sample norms would then be wrong. Both passes start from the
+    same random state (CPU and the parameters' CUDA devices; the global state is left as it
+    was), so dropout draws the same masks in both. Run it once, eagerly, on a real batch
+    before training (float64 gives the sharpest check). ``inputs`` as in
+    :meth:`GhostModel.per_sample` (a tensor, tuple, or dict of keyword inputs).
 
     Example::
 
@@ -389,14 +516,29 @@ def check_ghost_coverage(
         >>> check_ghost_coverage(ghost, lambda o, y: ((o - y) ** 2).sum(1), params, buffers,
         ...                      torch.randn(5, 4), torch.randn(5, 3))
     """
-    res = ghost.per_sample(params, buffers, inputs, targets, loss_fn)
-    summed = res.grads.weighted_sum(torch.ones_like(res.losses))
+    devices = _cuda_devices(params)
+    with torch.random.fork_rng(devices=devices):
+        cpu_state = torch.get_rng_state()
+        cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
 
-    def total(p: Mapping[str, Tensor]) -> Tensor:
-        return loss_fn(ghost(p, buffers, inputs)[0], targets).sum()
+        def same_random_state() -> None:
+            torch.set_rng_state(cpu_state)
+            for d, st in zip(devices, cuda_states, strict=True):
+                torch.cuda.set_rng_state(st, d)
 
-    trainable = {k: v for k, v in params.items() if k not in ghost.frozen}
-    ref = torch.func.grad(lambda p: total({**params, **p}))(trainable)
+        same_random_state()
+        res = ghost.per_sample(params, buffers, inputs, targets, loss_fn)
+        gen = torch.Generator().manual_seed(0)
+        coef = 1 + torch.rand(res.losses.shape, generator=gen, dtype=torch.float64)
+        coef = coef.to(res.losses.device, res.losses.dtype)
+        summed = res.grads.weighted_sum(coef)
+
+        def total(p: Mapping[str, Tensor]) -> Tensor:
+            return (loss_fn(call_model(ghost, p, buffers, inputs)[0], targets) * coef).sum()
+
+        trainable = {k: v for k, v in params.items() if k not in ghost.frozen}
+        same_random_state()
+        ref = torch.func.grad(lambda p: total({**params, **p}))(trainable)
     bad = []
     for k, r in ref.items():
         if not torch.allclose(summed[k], r, rtol=rtol, atol=atol):
@@ -408,8 +550,9 @@ def check_ghost_coverage(
             "autograd. Those parameters are used outside their own layer's forward (e.g. a "
             "parent module reading a child's weight, or a weight tied inside forward) or a "
             "layer mixes samples; per-sample norms and DP-SGD clipping would be wrong. Move "
-            "the use into the owning layer's forward or wrap the whole computation in one "
-            "module (which then becomes a single vmap-fallback layer)."
+            "the use into the owning layer's forward, or wrap the whole computation in one "
+            "module that owns a parameter directly and ties or shares the others inside it "
+            "(which then becomes a single vmap-fallback layer)."
         )
     if not math.isfinite(float(res.losses.sum())):
         raise ValueError("check_ghost_coverage: the losses are not finite on this batch")

@@ -2,10 +2,21 @@
 
 A :class:`Tap` replaces a layer in :func:`make_ghost_model`'s private copy of a module. It
 shares the layer's parameter/buffer/child dicts (so names and ``make_functional``'s slot
-swapping are unchanged) and calls the layer; while its :class:`Tape` is in ``"shape"`` mode it
-logs output shapes, in ``"record"`` mode it logs the call's ``(args, kwargs)`` and adds a
-zero probe to every floating output. The tape is a plain Python object (``deepcopy`` returns
-it), so the writes are ordinary side effects that Dynamo replays: no hooks, no graph breaks.
+swapping are unchanged; taps nest: a tapped module's tapped children sit in the shared child
+dict), forwards every other attribute read to the layer (``tap.batch_first``, methods; not
+dunders), and calls the layer; while its :class:`Tape` is in ``"shape"`` mode it logs output
+shapes, in ``"record"`` mode it logs the call's ``(args, kwargs)`` and adds a zero probe to
+every floating output. The tape is a plain Python object (``deepcopy`` returns it), so the
+writes are ordinary side effects that Dynamo replays: no hooks, no graph breaks.
+
+Shared calls: the tape knows the batch size ``B`` of the pass. A call whose floating output
+has leading dim 1 while ``B > 1`` (a layer applied to data shared by the batch, e.g. HF's
+position embeddings of ``position_ids`` ``(1, T)``) gets that output expanded to ``(B, ...)``
+before the probe is added, and its inputs with leading dim 1 recorded expanded to ``B``; the
+layer's rule then sees per-sample data. This is exact provided the output is only broadcast
+against batch-``B`` tensors downstream (as an ``(1, ...)`` tensor would be); an output that is
+indexed or reduced over its dim 0 instead gets its gradient misattributed between samples,
+which :func:`check_ghost_coverage` detects (it compares a randomly weighted sum).
 """
 
 from __future__ import annotations
@@ -76,6 +87,7 @@ class Tape:
 
     def __init__(self) -> None:
         self.mode: str | None = None  # None (plain forward), "shape" or "record"
+        self.batch: int | None = None  # B of the pass (expands calls shared by the batch)
         self.shapes: dict[str, list[list[tuple[torch.Size, torch.dtype, torch.device]]]] = {}
         self.probes: dict[str, list[list[Tensor]]] = {}
         self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
@@ -85,10 +97,22 @@ class Tape:
 
     def reset(self) -> None:
         self.mode, self.shapes, self.probes, self.calls = None, {}, {}, {}
+        self.batch = None
 
 
 def _is_float(t: Any) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point()
+
+
+def _shared(t: Any, batch: int | None) -> bool:
+    """Whether ``t`` is a floating tensor with leading dim 1 in a pass of batch ``B > 1``."""
+    return batch is not None and batch > 1 and _is_float(t) and t.dim() > 0 and t.shape[0] == 1
+
+
+def _expand(t: Any, batch: int) -> Any:
+    if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == 1:
+        return t.expand(batch, *t.shape[1:])
+    return t
 
 
 class Tap(nn.Module):
@@ -109,6 +133,18 @@ class Tap(nn.Module):
         self._inner.training = mode
         return self
 
+    def __getattr__(self, name: str) -> Any:
+        # nn.Module.__getattr__ finds parameters, buffers and children (shared dicts); any
+        # other attribute (settings such as ``batch_first``, methods) is the layer's own.
+        # Dunders are not forwarded: copy/pickle probe them on half-built objects.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_inner")
+            if inner is None or (name.startswith("__") and name.endswith("__")):
+                raise
+            return getattr(inner, name)
+
     def extra_repr(self) -> str:
         return f"tap of {type(self._inner).__name__} {self._tap_name!r}"
 
@@ -118,16 +154,25 @@ class Tap(nn.Module):
         if tape.mode is None:
             return out
         leaves = tensors_of(out, [])
+        batch = tape.batch
+        shared = any(_shared(t, batch) for t in leaves)
         if tape.mode == "shape":
             if name not in tape.shapes:
                 tape.shapes[name] = []
-            tape.shapes[name].append([(t.shape, t.dtype, t.device) for t in leaves
-                                      if _is_float(t)])
+            tape.shapes[name].append([
+                (torch.Size((batch, *t.shape[1:])) if _shared(t, batch) else t.shape, t.dtype,
+                 t.device) for t in leaves if _is_float(t)])
             return out
         if name not in tape.calls:
             tape.calls[name] = []
         k = len(tape.calls[name])
-        tape.calls[name].append((args, kwargs))
+        if shared:
+            assert batch is not None
+            call = fill_slots((args, kwargs), iter([_expand(t, batch)
+                                                    for t in tensors_of((args, kwargs), [])]))
+            tape.calls[name].append(call)
+        else:
+            tape.calls[name].append((args, kwargs))
         probes = tape.probes.get(name, [])
         if k >= len(probes):
             raise RuntimeError(
@@ -140,6 +185,9 @@ class Tap(nn.Module):
         for t in leaves:
             if _is_float(t):
                 p = next(it)
+                if _shared(t, batch):
+                    assert batch is not None
+                    t = t.expand(batch, *t.shape[1:])
                 if p.shape != t.shape:
                     raise RuntimeError(
                         f"ghost layer {name!r}: output shape {tuple(t.shape)} differs from the "
@@ -176,7 +224,7 @@ def to_meta_(module: nn.Module, memo: dict[int, Tensor]) -> None:
     for sub in module.modules():
         for slots in (sub._parameters, sub._buffers):
             for name, t in slots.items():
-                if t is None:
+                if t is None or t.is_meta:  # done already (a layer nested in another)
                     continue
                 if id(t) not in memo:
                     meta = torch.empty_like(t, device="meta")
