@@ -13,7 +13,7 @@ Each entry is a :class:`ZooModel` record:
   mean token cross-entropy.
 
 Hugging Face ``transformers`` and ``peft`` are imported lazily by their builders; a test
-asks for them with ``pytest.importorskip`` (``needs`` lists the packages of each row).
+asks for them with ``pytest.importorskip`` (``NEEDS`` lists the packages of each row).
 torchvision/timm are not used (they pin torch versions of their own): the ResNet, ConvNeXt
 and timm-style ViT rows are written from ``torch.nn`` with the same structure (BasicBlocks
 with BatchNorm2d; depthwise 7x7 conv, channels-last LayerNorm and a layer-scale ``gamma``;
@@ -52,7 +52,6 @@ class ZooModel:
     module: nn.Module
     batch: Callable[[int, int], Batch]  # (b, seed) -> (inputs, targets)
     loss_fn: Callable[[Any, Any], Tensor]  # (outputs, targets) -> (B,)
-    needs: tuple[str, ...] = ()  # optional packages the row imports
 
     def forward(self, inputs: Any, module: nn.Module | None = None) -> Any:
         """Return ``module(**inputs)`` for dict inputs, else ``module(inputs)``."""
@@ -160,7 +159,7 @@ def _bert_module() -> nn.Module:
 
 def bert() -> ZooModel:
     m = _bert_module()
-    return ZooModel("bert", m, _bert_batch(m), class_loss, ("transformers",))
+    return ZooModel("bert", m, _bert_batch(m), class_loss)
 
 
 def gpt2() -> ZooModel:
@@ -171,7 +170,7 @@ def gpt2() -> ZooModel:
                         bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
     m = GPT2LMHeadModel(config)  # tie_word_embeddings=True: lm_head.weight is wte.weight
     assert m.lm_head.weight is m.transformer.wte.weight
-    return ZooModel("gpt2", m, _gpt2_batch(m), token_loss, ("transformers",))
+    return ZooModel("gpt2", m, _gpt2_batch(m), token_loss)
 
 
 def vit_hf() -> ZooModel:
@@ -181,7 +180,7 @@ def vit_hf() -> ZooModel:
                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                        num_labels=N_CLASSES, **_NO_DROPOUT)
     m = ViTForImageClassification(config)
-    return ZooModel("vit_hf", m, _features(m, 3, IMG, IMG), class_loss, ("transformers",))
+    return ZooModel("vit_hf", m, _features(m, 3, IMG, IMG), class_loss)
 
 
 def peft_bert() -> ZooModel:
@@ -194,7 +193,7 @@ def peft_bert() -> ZooModel:
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
                                 FutureWarning)
         m = get_peft_model(_bert_module(), config)
-    return ZooModel("peft_bert", m, _bert_batch(m), class_loss, ("transformers", "peft"))
+    return ZooModel("peft_bert", m, _bert_batch(m), class_loss)
 
 
 # -- torch's Transformer ------------------------------------------------------------------------
@@ -597,6 +596,7 @@ BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "convnext": convnext,
     "timm_vit": timm_vit,
 }
+# the optional packages a row imports (a test asks pytest.importorskip for them before building)
 NEEDS = {"bert": ("transformers",), "gpt2": ("transformers",), "vit_hf": ("transformers",),
          "peft_bert": ("transformers", "peft")}
 NAMES = tuple(BUILDERS)
@@ -620,5 +620,4 @@ def build(name: str, *, dtype: torch.dtype = torch.float64, device: str = "cpu",
     """
     entry = _built(name, dtype, device, seed)
     # the batch makers only read the module's dtype/device, which the copy shares
-    return ZooModel(entry.name, copy.deepcopy(entry.module), entry.batch, entry.loss_fn,
-                    entry.needs)
+    return ZooModel(entry.name, copy.deepcopy(entry.module), entry.batch, entry.loss_fn)
