@@ -53,14 +53,14 @@ from torchfn.functional._transforms import per_sample_grads as per_sample_grads
 from torchfn.functional._transforms import single_sample_fn as single_sample_fn
 
 __all__ = [
+    "GRU",
+    "LSTM",
+    "RNN",
     "BatchNorm",
     "CheckpointError",
     "DynamicLossScaler",
     "FunctionalModel",
-    "GRU",
-    "LSTM",
     "LossScaleState",
-    "RNN",
     "StepOptions",
     "TrainState",
     "apply_gradients",
