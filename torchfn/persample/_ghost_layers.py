@@ -237,6 +237,11 @@ class Rule:
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`GhostLayerError` if ``module`` has settings this rule cannot handle."""
 
+    def batch_dims_ok(self, module: nn.Module, calls: Calls, grads: Grads,
+                      batch: int) -> str | None:
+        """Describe the first recorded output without the batch where this rule needs it."""
+        return batch_dims_ok(calls, grads, batch)
+
     def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
                 calls: Calls, grads: Grads) -> Prepared:  # pragma: no cover - interface
         raise NotImplementedError

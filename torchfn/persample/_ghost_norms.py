@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchfn.functional import FunctionalModel, make_functional
+from torchfn.functional import FunctionalModel, make_functional, replace_recurrent
 from torchfn.persample._ghost_grads import GhostGrads, GhostResult, Layer
 from torchfn.persample._ghost_instantiated import refuse_batchnorm_training, rule_for
 from torchfn.persample._ghost_layers import (
@@ -46,7 +46,6 @@ from torchfn.persample._ghost_layers import (
     Calls,
     GhostLayerError,
     Prepared,
-    batch_dims_ok,
     local,
 )
 from torchfn.persample._ghost_tape import (
@@ -214,7 +213,8 @@ class GhostModel:
         prepared: dict[str, Prepared] = {}
         for name, tensors in saved.items():
             calls: Calls = fill_slots(static[name], iter(tensors))
-            bad = batch_dims_ok(calls, grads[name], batch)
+            layer = self._layers[name]
+            bad = layer.rule.batch_dims_ok(layer.module, calls, grads[name], batch)
             if bad is not None:
                 raise GhostLayerError(
                     f"ghost layer {name!r}: {bad}, but the batch size (of the per-sample "
@@ -223,7 +223,6 @@ class GhostModel:
                     "the batch (e.g. a positional embedding of arange(T)) must get them "
                     "expanded to the batch: pos(torch.arange(T).expand(B, T))"
                 )
-            layer = self._layers[name]
             prepared[name] = layer.rule.prepare(
                 layer.module, name, local(params, layer.params), local(buffers, layer.buffers),
                 calls, grads[name])
@@ -276,7 +275,8 @@ def make_ghost_model(
                          f"got {conv_method!r}")
     tape = Tape()
     root_holder = nn.Module()
-    root_holder.root = copy.deepcopy(module)
+    # a deep copy, with nn.RNN/GRU/LSTM swapped for torchfn's (exact "recurrent" ghost rule)
+    root_holder.root = replace_recurrent(module)
     # the primary (first, as in make_functional) name of every parameter and buffer tensor
     primary: dict[int, str] = {}
     for n, t in [*root_holder.root.named_parameters(remove_duplicate=False),
