@@ -327,6 +327,9 @@ def test_ghost_refuses_dropout_in_training() -> None:
                        r"mode.*call eval\(\)"):
         ghost.per_sample(params, buffers, x, None, loss_fn)
     ghost.eval().per_sample(params, buffers, x, None, loss_fn)  # eval mode: no dropout
+    with pytest.raises(GhostLayerError, match=r"ghost layer '0': call 0 has an unbatched input "
+                       r"\(\(5, 4\)\)"):
+        ghost.eval().per_sample(params, buffers, x[0], None, lambda out, y: out[0].sum(1))
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])

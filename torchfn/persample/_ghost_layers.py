@@ -23,6 +23,8 @@ Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated alon
   ``padding_idx`` rows get no gradient.
 - normalisation layers and the vmap fallback instantiate per-sample gradients
   (:mod:`torchfn.persample._ghost_instantiated`).
+- torchfn's ``RNN``/``GRU``/``LSTM``: the linear forms per weight, time as the sequence axis
+  (:mod:`torchfn.persample._ghost_recurrent`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)`
 
 1. :func:`make_ghost_model` deep-copies the module and wraps every *layer* -- a built-in layer
    torchfn has a rule for (``nn.Linear``, ``nn.Conv1d/2d``, ``nn.Embedding``,
-   ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``), or else the
+   ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``, and
+   ``nn.RNN``/``nn.GRU``/``nn.LSTM``, swapped first for torchfn's transform-safe twins), or else the
    outermost module that
    owns parameters directly (the vmap fallback owns its whole subtree) -- in a tap. A tap
    shares the layer's parameter/buffer/child dicts, so names and :func:`make_functional`'s
@@ -82,7 +83,7 @@ class GhostModel:
     :meth:`per_sample` runs one forward and one backward and returns :class:`GhostGrads`.
 
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
-    "embedding" | "norm" | "fallback"}``), ``layer_params`` (``{layer: (param names)}``),
+    "embedding" | "norm" | "recurrent" | "fallback"}``), ``layer_params`` (``{layer: (param names)}``),
     ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
     noised), ``trainable`` (the other parameter names), ``param_names``, ``buffer_names``,
     ``training``.
@@ -247,7 +248,11 @@ def make_ghost_model(
     clones), so one dict serves both. Layers: the built-in ``nn.Linear``, ``nn.Conv1d``,
     ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm`` get
     exact closed-form rules, and so does ``nn.BatchNorm1d/2d/3d`` in eval mode (subclasses are
-    treated as unknown); every other module that owns
+    treated as unknown). ``nn.RNN``/``nn.GRU``/``nn.LSTM`` are swapped for torchfn's
+    transform-safe twins (:func:`torchfn.functional.replace_recurrent`; same keys) and get an
+    exact rule too: each weight is a linear map applied at every step, whose per-sample
+    gradient is a sum over time of outer products (inter-layer dropout in training mode is
+    refused: the rule recomputes the layer). Every other module that owns
     parameters directly becomes one layer handled by the vmap fallback, together with all its
     submodules (e.g. ``nn.MultiheadAttention``, which reads its ``out_proj`` weights itself).
     ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
@@ -258,7 +263,8 @@ def make_ghost_model(
 
     Refused with :class:`GhostLayerError`: parameters shared between layers, BatchNorm in
     training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
-    ``nn.MultiheadAttention(batch_first=False)``, a layer whose parameters are partly frozen.
+    ``nn.MultiheadAttention(batch_first=False)``, a layer whose parameters are partly frozen,
+    a recurrent layer with inter-layer dropout in training mode or an unbatched input.
 
     Example::
 

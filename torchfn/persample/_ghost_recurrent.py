@@ -82,7 +82,10 @@ class RecurrentRule(Rule):
                       batch: int) -> str | None:
         first = bool(getattr(module, "batch_first", False))
         for k, ((args, kwargs), g) in enumerate(zip(calls, grads, strict=True)):
-            x, _ = _inputs(args, kwargs, "?")
+            try:
+                x, _ = _inputs(args, kwargs, type(module).__name__)
+            except GhostLayerError as e:
+                return str(e)
             if not isinstance(x, Tensor) or x.dim() != 3:
                 seen = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
                 return f"call {k} has an unbatched input ({seen})"
