@@ -1,4 +1,12 @@
-"""Functional core: stateless models, pytree helpers, transforms, train step, checkpoints."""
+"""Functional core: stateless models, pytree helpers, transforms, train step, checkpoints.
+
+Transform-safe layers: :class:`BatchNorm` and the recurrent layers :class:`RNN` (tanh/relu),
+:class:`GRU`, :class:`LSTM` are written from elementary ops with torch's parameter names and
+numbers; :func:`make_functional` swaps torch's ``nn.BatchNorm*`` / ``nn.RNN`` / ``nn.GRU`` /
+``nn.LSTM`` for them in its private copy (``replace_batchnorm=True``, ``replace_recurrent=True``),
+so per-sample gradients, DP-SGD, ensembles and MAML run on recurrent nets.
+``replace_recurrent`` / ``restore_recurrent`` convert a whole module by hand.
+"""
 
 from torchfn._checks import _moved_getattr
 from torchfn.functional._batchnorm import BatchNorm as BatchNorm
@@ -22,6 +30,12 @@ from torchfn.functional._pytree import tree_ravel as tree_ravel
 from torchfn.functional._pytree import tree_scalar_mul as tree_scalar_mul
 from torchfn.functional._pytree import tree_sub as tree_sub
 from torchfn.functional._pytree import tree_zeros_like as tree_zeros_like
+from torchfn.functional._recurrent import GRU as GRU
+from torchfn.functional._recurrent import LSTM as LSTM
+from torchfn.functional._recurrent import RNN as RNN
+from torchfn.functional._recurrent import recurrent_forward as recurrent_forward
+from torchfn.functional._recurrent import replace_recurrent as replace_recurrent
+from torchfn.functional._recurrent import restore_recurrent as restore_recurrent
 from torchfn.functional._stateless import FunctionalModel as FunctionalModel
 from torchfn.functional._stateless import make_functional as make_functional
 from torchfn.functional._train_step import DynamicLossScaler as DynamicLossScaler
@@ -39,6 +53,9 @@ from torchfn.functional._transforms import per_sample_grads as per_sample_grads
 from torchfn.functional._transforms import single_sample_fn as single_sample_fn
 
 __all__ = [
+    "GRU",
+    "LSTM",
+    "RNN",
     "BatchNorm",
     "CheckpointError",
     "DynamicLossScaler",
@@ -59,7 +76,10 @@ __all__ = [
     "make_train_step",
     "per_sample_grad_norms",
     "per_sample_grads",
+    "recurrent_forward",
     "replace_batchnorm",
+    "replace_recurrent",
+    "restore_recurrent",
     "save_checkpoint",
     "single_sample_fn",
     "split_batch",

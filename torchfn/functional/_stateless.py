@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfn.functional._batchnorm import _restore_batchnorm_, _swap_batchnorm_
+from torchfn.functional._recurrent import _restore_recurrent_, _swap_recurrent_
 
 __all__ = ["FunctionalModel", "make_functional"]
 
@@ -45,6 +46,7 @@ class _Layout:
     param_aliases: dict[str, tuple[str, ...]]  # primary name -> every name (primary first)
     buffer_aliases: dict[str, tuple[str, ...]]
     swapped_batchnorms: tuple[str, ...]  # module paths swapped nn.BatchNorm -> BatchNorm
+    swapped_recurrent: tuple[str, ...]  # module paths swapped nn.RNN/GRU/LSTM -> torchfn's
 
 
 def _alias_groups(named: list[tuple[str, Tensor]]) -> dict[str, tuple[str, ...]]:
@@ -178,7 +180,7 @@ class FunctionalModel:
     def to_module(
         self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]
     ) -> nn.Module:
-        """Return a fresh ``nn.Module`` (torch BatchNorm classes back) holding copies of the values.
+        """Return a fresh ``nn.Module`` (torch's BatchNorm/RNN/GRU/LSTM back) holding copies.
 
         Parameters are new ``nn.Parameter`` s (detached clones; ``requires_grad`` as in the
         original module; tied names share one Parameter); buffers are detached clones.
@@ -194,6 +196,7 @@ class FunctionalModel:
         self._check(params, buffers)
         module = copy.deepcopy(self._module)
         module = _restore_batchnorm_(module, list(self._layout.swapped_batchnorms))
+        module = _restore_recurrent_(module, list(self._layout.swapped_recurrent))
         for primary, names in self._layout.param_aliases.items():
             spec = self._layout.param_specs[primary]
             p = nn.Parameter(params[primary].detach().clone(), requires_grad=spec.requires_grad)
@@ -290,7 +293,7 @@ def _hint(
 
 
 def make_functional(
-    module: nn.Module, *, replace_batchnorm: bool = True
+    module: nn.Module, *, replace_batchnorm: bool = True, replace_recurrent: bool = True
 ) -> tuple[FunctionalModel, dict[str, Tensor], dict[str, Tensor]]:
     """Return ``(model_fn, params, buffers)``: a pure version of ``module`` and copies of its state.
 
@@ -315,6 +318,13 @@ def make_functional(
     updates go into private clones of those buffers, which ``vmap`` over batched inputs
     refuses in training mode. Other modules that write into buffers *in place*
     (``self.buf.add_(...)``) would write into the tensors you pass: write ``self.buf = new``.
+
+    ``replace_recurrent=True`` swaps every ``nn.RNN``/``nn.GRU``/``nn.LSTM`` in the private copy
+    for torchfn's :class:`RNN`/:class:`GRU`/:class:`LSTM` (same keys, same numbers; written from
+    elementary ops, so ``vmap``, ``grad`` of ``grad``, ``jvp`` and ``torch.compile`` work, which
+    torch's fused kernels and cached ``_flat_weights`` do not); ``to_module`` gives torch's
+    classes back. Inter-layer ``dropout`` in training mode draws random numbers: ``vmap`` then
+    needs ``randomness="different"`` or ``"same"``.
 
     Each call checks the dicts: missing/unexpected keys (``ValueError``, with a "did you
     mean"), shape (``ValueError``; under ``vmap`` the per-example shape is compared), device
@@ -363,6 +373,9 @@ def make_functional(
     swapped: list[str] = []
     if replace_batchnorm:
         private, swapped = _swap_batchnorm_(private)
+    swapped_rnn: list[str] = []
+    if replace_recurrent:
+        private, swapped_rnn = _swap_recurrent_(private)
 
     layout = _Layout(
         param_specs={k: _spec(by_name[k]) for k in param_aliases},
@@ -370,6 +383,7 @@ def make_functional(
         param_aliases=param_aliases,
         buffer_aliases=buffer_aliases,
         swapped_batchnorms=tuple(swapped),
+        swapped_recurrent=tuple(swapped_rnn),
     )
     params = {k: by_name[k].detach().clone() for k in param_aliases}
     buffers = {k: by_name[k].detach().clone() for k in buffer_aliases}

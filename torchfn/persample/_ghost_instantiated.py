@@ -34,6 +34,7 @@ from torchfn.persample._ghost_layers import (
     TensorDict,
     input_of,
 )
+from torchfn.persample._ghost_recurrent import RECURRENT_TYPES, RecurrentRule
 from torchfn.persample._ghost_tape import fill_slots, tensors_of
 
 __all__: list[str] = []  # private to torchfn.persample._ghost_norms
@@ -197,6 +198,8 @@ def rule_for(module: nn.Module, fallback_chunk_size: int | None = None,
         return EmbeddingRule()
     if t in NORM_TYPES:
         return NormRule()
+    if t in RECURRENT_TYPES:  # torchfn's RNN/GRU/LSTM (make_ghost_model swaps torch's in)
+        return RecurrentRule()
     return FallbackRule(fallback_chunk_size)
 
 

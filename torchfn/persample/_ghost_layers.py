@@ -23,6 +23,8 @@ Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated alon
   ``padding_idx`` rows get no gradient.
 - normalisation layers and the vmap fallback instantiate per-sample gradients
   (:mod:`torchfn.persample._ghost_instantiated`).
+- torchfn's ``RNN``/``GRU``/``LSTM``: the linear forms per weight, time as the sequence axis
+  (:mod:`torchfn.persample._ghost_recurrent`).
 """
 
 from __future__ import annotations
@@ -236,6 +238,11 @@ class Rule:
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`GhostLayerError` if ``module`` has settings this rule cannot handle."""
+
+    def batch_dims_ok(self, module: nn.Module, calls: Calls, grads: Grads,
+                      batch: int) -> str | None:
+        """Describe the first recorded output without the batch where this rule needs it."""
+        return batch_dims_ok(calls, grads, batch)
 
     def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
                 calls: Calls, grads: Grads) -> Prepared:  # pragma: no cover - interface

@@ -4,7 +4,8 @@ How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)`
 
 1. :func:`make_ghost_model` deep-copies the module and wraps every *layer* -- a built-in layer
    torchfn has a rule for (``nn.Linear``, ``nn.Conv1d/2d``, ``nn.Embedding``,
-   ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``), or else the
+   ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``, and
+   ``nn.RNN``/``nn.GRU``/``nn.LSTM``, swapped first for torchfn's transform-safe twins), or else the
    outermost module that
    owns parameters directly (the vmap fallback owns its whole subtree) -- in a tap. A tap
    shares the layer's parameter/buffer/child dicts, so names and :func:`make_functional`'s
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchfn.functional import FunctionalModel, make_functional
+from torchfn.functional import FunctionalModel, make_functional, replace_recurrent
 from torchfn.persample._ghost_grads import GhostGrads, GhostResult, Layer
 from torchfn.persample._ghost_instantiated import (
     FallbackRule,
@@ -50,7 +51,6 @@ from torchfn.persample._ghost_layers import (
     Calls,
     GhostLayerError,
     Prepared,
-    batch_dims_ok,
     local,
 )
 from torchfn.persample._ghost_tape import (
@@ -154,7 +154,8 @@ class GhostModel:
     (``module(**inputs)``, HF style); every tensor in it has the batch in dim 0.
 
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
-    "embedding" | "norm" | "fallback" | "direct"}``), ``layer_params`` (``{layer: (param names)}``),
+    "embedding" | "norm" | "recurrent" | "fallback" | "direct"}``), ``layer_params``
+    (``{layer: (param names)}``),
     ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
     noised), ``trainable`` (the other parameter names), ``param_names``, ``buffer_names``,
     ``training``.
@@ -291,7 +292,8 @@ class GhostModel:
         prepared: dict[str, Prepared] = {}
         for name, tensors in saved.items():
             calls: Calls = fill_slots(static[name], iter(tensors))
-            bad = batch_dims_ok(calls, grads[name], batch)
+            layer = self._layers[name]
+            bad = layer.rule.batch_dims_ok(layer.module, calls, grads[name], batch)
             if bad is not None:
                 raise GhostLayerError(
                     f"ghost layer {name!r}: {bad}, but the batch size (of the inputs) is "
@@ -299,7 +301,6 @@ class GhostModel:
                     "layer input and output (or dim 0 of size 1 for a call shared by the "
                     "batch, e.g. a positional embedding of arange(T)[None])"
                 )
-            layer = self._layers[name]
             consts = local(buffers, layer.buffers)
             if layer.consts:
                 consts.update(local(params, layer.consts))
@@ -354,7 +355,11 @@ def make_ghost_model(
     clones), so one dict serves both. Layers: the built-in ``nn.Linear``, ``nn.Conv1d``,
     ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm`` get
     exact closed-form rules, and so does ``nn.BatchNorm1d/2d/3d`` in eval mode (subclasses are
-    treated as unknown); every other module that owns
+    treated as unknown). ``nn.RNN``/``nn.GRU``/``nn.LSTM`` are swapped for torchfn's
+    transform-safe twins (:func:`torchfn.functional.replace_recurrent`; same keys) and get an
+    exact rule too: each weight is a linear map applied at every step, whose per-sample
+    gradient is a sum over time of outer products (inter-layer dropout in training mode is
+    refused: the rule recomputes the layer). Every other module that owns
     parameters directly becomes one layer handled by the vmap fallback, together with all its
     submodules (e.g. ``nn.MultiheadAttention``, which reads its ``out_proj`` weights itself).
     ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
@@ -365,7 +370,8 @@ def make_ghost_model(
 
     Refused with :class:`GhostLayerError`: parameters shared between layers, BatchNorm in
     training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
-    ``nn.MultiheadAttention(batch_first=False)``, a layer whose parameters are partly frozen.
+    ``nn.MultiheadAttention(batch_first=False)``, a layer whose parameters are partly frozen,
+    a recurrent layer with inter-layer dropout in training mode or an unbatched input.
 
     Example::
 
@@ -382,7 +388,8 @@ def make_ghost_model(
                          f"got {conv_method!r}")
     tape = Tape()
     root_holder = nn.Module()
-    root_holder.root = copy.deepcopy(module)
+    # a deep copy, with nn.RNN/GRU/LSTM swapped for torchfn's (exact "recurrent" ghost rule)
+    root_holder.root = replace_recurrent(module)
     # the primary (first, as in make_functional) name of every parameter and buffer tensor
     primary: dict[int, str] = {}
     for n, t in [*root_holder.root.named_parameters(remove_duplicate=False),
