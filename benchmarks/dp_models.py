@@ -587,7 +587,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    workloads, variants = args.workloads.split(","), args.variants.split(",")
+    workloads = args.workloads.split(",")
+    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     precisions = args.precision.split(",")
     for given, allowed, what in [(workloads, WORKLOADS, "--workloads"),
                                  (variants, VARIANTS, "--variants"),
@@ -644,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {', '.join(WORKLOADS)}")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)} "
-                             "(default: the eager ones)")
+                             "or 'all' (default: the eager ones)")
     parser.add_argument("--precision", default="fp32,bf16", help="fp32, bf16 or both")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed repeats per row (default 10; --tiny 2)")

@@ -80,7 +80,7 @@ def load_data() -> tuple[Tensor, Tensor]:
     protos = F.avg_pool2d(torch.rand(10, 1, 10, 10, generator=g), 3, 1)  # (10, 1, 8, 8)
     y = torch.arange(1797) % 10
     shift = torch.randint(-1, 2, (1797, 2), generator=g)
-    x = torch.stack([protos[c].roll((int(s[0]), int(s[1])), (1, 2)) for c, s in zip(y, shift)])
+    x = torch.stack([protos[c].roll((int(s[0]), int(s[1])), (1, 2)) for c, s in zip(y, shift, strict=True)])
     return (x + 0.15 * torch.randn(x.shape, generator=g)).clamp(0, 1), y
 
 
