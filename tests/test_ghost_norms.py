@@ -401,11 +401,11 @@ def test_cuda_matches_loop(model, dtype) -> None:
 # --- refusals ----------------------------------------------------------------------------
 
 
-def test_refuses_tied_parameters() -> None:
+def test_accepts_tied_parameters() -> None:  # exact: tests/test_ghost_rules_zoo.py
     net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     net[1].weight = net[0].weight
-    with pytest.raises(GhostLayerError, match="shared by layers '0' and '1'"):
-        make_ghost_model(net)
+    ghost, params, _ = make_ghost_model(net)
+    assert ghost.layer_params == {"0": ("0.weight", "0.bias"), "1": ("0.weight", "1.bias")}
 
 
 def test_refuses_batchnorm_in_training_mode_but_accepts_eval() -> None:

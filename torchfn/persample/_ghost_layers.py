@@ -14,6 +14,8 @@ Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated alon
 
 - ``nn.Linear``: ``G_i = g_i^T a_i`` with ``a = x`` flattened to ``(B, T, d_in)``; norms and sums
   by :func:`torchfn.ops.linear_grad_norms_sq` / :func:`torchfn.ops.clipped_linear_grad_sum`.
+  HF transformers' ``Conv1D`` (``y = x W + b``, ``W (d_in, d_out)``: GPT-2's projections) is
+  the same map with the weight stored transposed: the same forms, ``G_i^T`` reported.
 - ``nn.Conv1d``/``nn.Conv2d``: the same with ``a`` = the input unfolded into patches
   ``(B, L, C_in/groups * prod(kernel))`` (any stride, padding -- also ``'same'`` and non-zero
   padding modes --, dilation; groups handled block by block); or, opt-in, weight-gradient
@@ -122,9 +124,10 @@ class _LinearLike(Prepared):
     """
 
     def __init__(self, a: Tensor, g: Tensor, groups: int, weight_shape: torch.Size,
-                 bias: bool) -> None:
+                 bias: bool, transposed: bool = False) -> None:
         self.a, self.g = _common(a, g)  # (B, d_in) / (B, d_out) or (B, T, d_in) / (B, T, d_out)
         self.groups, self.weight_shape, self.bias = groups, weight_shape, bias
+        self.transposed = transposed  # weight stored as (d_in, d_out) (HF's Conv1D); groups 1
         self._kept: Tensor | None = None  # (B, d_out, d_in) once materialised by sq_norms
         self._bookkeeping = False
 
@@ -174,6 +177,8 @@ class _LinearLike(Prepared):
         else:
             a, g = self._grouped()
             w = torch.einsum("btgo,btgk->gok", g * c[:, None, None, None], a)
+        if self.transposed:
+            w = w.transpose(-1, -2)
         out = {"weight": w.reshape(self.weight_shape)}
         if self.bias:
             out["bias"] = clipped_linear_bias_grad_sum(self.g, c)
@@ -185,6 +190,8 @@ class _LinearLike(Prepared):
         else:
             a, g = self._grouped()
             w = torch.einsum("btgo,btgk->bgok", g, a)
+        if self.transposed:
+            w = w.reshape(w.shape[0], -1, w.shape[-1]).transpose(-1, -2)
         out = {"weight": w.reshape(w.shape[0], *self.weight_shape)}
         if self.bias:
             out["bias"] = self.g.sum(1) if self.g.dim() == 3 else self.g
@@ -243,7 +250,14 @@ class Rule:
 
 
 class LinearRule(Rule):
+    """``nn.Linear`` (``y = x W^T + b``, ``W (d_out, d_in)``), or with ``transposed=True`` HF
+    transformers' ``Conv1D`` (``y = x W + b``, ``W (d_in, d_out)``; GPT-2's ``c_attn``,
+    ``c_proj``, ``c_fc``): the same kernels, the weight's gradients transposed."""
+
     kind = "linear"
+
+    def __init__(self, transposed: bool = False) -> None:
+        self.transposed = transposed
 
     def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
                 calls: Calls, grads: Grads) -> Prepared:
@@ -259,7 +273,7 @@ class LinearRule(Rule):
         a, g = _cat_time(pairs)
         weight = params["weight"]
         return _LinearLike(a.to(weight.dtype), g.to(weight.dtype), 1, weight.shape,
-                           "bias" in params)
+                           "bias" in params, self.transposed)
 
 
 def _pair(v: Any, n: int) -> tuple[int, ...]:

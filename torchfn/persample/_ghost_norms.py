@@ -3,7 +3,7 @@
 How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)``):
 
 1. :func:`make_ghost_model` deep-copies the module and wraps every *layer* -- a built-in layer
-   torchfn has a rule for (``nn.Linear``, ``nn.Conv1d/2d``, ``nn.Embedding``,
+   torchfn has a rule for (``nn.Linear``, HF's ``Conv1D``, ``nn.Conv1d/2d``, ``nn.Embedding``,
    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``), or else the
    outermost module that
    owns parameters directly (the vmap fallback owns its whole subtree) -- in a tap. A tap
@@ -22,10 +22,11 @@ How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)`
    materialised per-sample gradients.
 
 Limits: the batch is dim 0 of every layer input and output; a parameter must be used only
-inside the forward of the layer that owns it (a weight tied between two layers, or read by a
-parent as ``F.linear(x, self.head.weight)``, makes the norms wrong -- tied parameters are
-refused, and :func:`check_ghost_coverage` detects the rest); layers must not mix samples
-(BatchNorm in training mode is refused).
+inside the forward of layers that hold it (a weight tied between two layers, e.g. GPT-2's
+``wte.weight is lm_head.weight``, is exact: its uses are summed and the norms get the cross
+terms; a weight read by a parent as ``F.linear(x, self.head.weight)`` makes the norms wrong,
+which :func:`check_ghost_coverage` detects); layers must not mix samples (BatchNorm in
+training mode is refused).
 """
 
 from __future__ import annotations
@@ -257,8 +258,13 @@ def make_ghost_model(
     (weight-gradient convolutions with the batch folded into the groups: no ``k x k``-times
     larger patches in memory).
 
-    Refused with :class:`GhostLayerError`: parameters shared between layers, BatchNorm in
-    training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
+    HF transformers' ``Conv1D`` (GPT-2's projections) gets the linear rule with its weight
+    transposed. A parameter tied across layers (``lm_head.weight is wte.weight``) is exact:
+    its per-sample gradient is the sum of its uses', its norms include the cross terms, and
+    the layers sharing it form one per-layer clipping group named after the first of them
+    (the others report zero norms and take its coefficient).
+
+    Refused with :class:`GhostLayerError`: BatchNorm in training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
     ``nn.MultiheadAttention(batch_first=False)``, a layer whose parameters are partly frozen.
 
     Example::
@@ -285,25 +291,17 @@ def make_ghost_model(
 
     layers: dict[str, Layer] = {}
     frozen: list[str] = []
-    owner: dict[int, str] = {}
 
     def adopt(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
         rule = rule_for(m, fallback_chunk_size, conv_method)
         rule.check(m, name)
         refuse_batchnorm_training(m, name)
         named = list(m.named_parameters())
-        for _, p in m.named_parameters(remove_duplicate=False):
-            if id(p) in owner and owner[id(p)] != name:
-                raise GhostLayerError(
-                    f"make_ghost_model: parameter {primary[id(p)]!r} is shared by layers "
-                    f"{owner[id(p)]!r} and {name!r}; ghost per-sample gradients need each "
-                    "parameter inside one layer (untie the weights, or wrap both uses in one "
-                    "module, which then becomes a single fallback layer)"
-                )
-            owner[id(p)] = name
+        # [ghostrules] parameters tied across layers are allowed: GhostGrads sums their uses
+        # and adds the cross terms to the norms (torchfn.persample._ghost_tied)
         trainable = [p.requires_grad for _, p in named]
         if not any(trainable):
-            frozen.extend(primary[id(p)] for _, p in named)
+            frozen.extend(n for n in (primary[id(p)] for _, p in named) if n not in frozen)
             return
         if not all(trainable):
             raise GhostLayerError(
