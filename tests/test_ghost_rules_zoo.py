@@ -361,3 +361,52 @@ def test_layernorm_variants_are_exact() -> None:
             p.add_(torch.randn_like(p) * 0.3)
     kinds = check(net, torch.randn(B, 3, 6, 6), torch.randn(B, 4, 4, 4))
     assert kinds == {"conv": "conv", "ln2d": "fallback", "ln": "norm", "rms": "fallback"}
+
+
+def test_tied_cross_terms_need_no_materialised_gradients(monkeypatch) -> None:
+    """Embedding + linear head and linear + linear ties take the closed forms."""
+    from torchfn.persample import _ghost_layers
+
+    def refuse(self):  # noqa: ANN001, ANN202
+        raise AssertionError("materialize called")
+
+    for net, x in ((TiedLM(), torch.randint(0, 11, (B, 6))), (TiedLinears(), torch.randn(B, 3, 4))):
+        ghost, params, buffers = make_ghost_model(net.to(F64))
+        x = x.to(F64) if x.is_floating_point() else x
+        loss = lm_loss if isinstance(net, TiedLM) else sq_loss
+        y = torch.randint(0, 11, (B, 6)) if isinstance(net, TiedLM) else torch.randn(B, 3, 4, dtype=F64)
+        res = ghost.per_sample(params, buffers, x, y, loss)
+        expect = res.grads.sq_norms(per_layer=True)
+        with monkeypatch.context() as m:
+            m.setattr(_ghost_layers._LinearLike, "materialize", refuse)
+            m.setattr(_ghost_layers._EmbeddingGrads, "materialize", refuse)
+            res = ghost.per_sample(params, buffers, x, y, loss)
+            got = res.grads.sq_norms(per_layer=True)
+        torch.testing.assert_close(got, expect, **TOL)
+
+
+def test_dp_per_layer_clipping_counts_a_tied_group_once() -> None:
+    """clipping="per_layer": the tied group (emb.weight, head.bias) is clipped as one block
+    under the first layer's threshold; 'head' reports zero norm."""
+    torchopt = pytest.importorskip("torchopt")
+    from torchfn.persample import init_dp_state, make_dp_train_step
+
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(TiedLM().to(F64))
+    ids, y = torch.randint(0, 11, (B, 6)), torch.randint(0, 11, (B, 6))
+    step = make_dp_train_step(ghost, lm_loss, torchopt.sgd(0.1), noise_multiplier=0.0,
+                              max_grad_norm=0.3, sample_rate=0.5, dataset_size=8,
+                              clipping="per_layer")
+    state = init_dp_state(params, buffers, torchopt.sgd(0.1), seed=0)
+    got = step.clipped_sum(state, (ids, y), torch.ones(B, dtype=torch.bool)).grads
+    ref = loop_grads(ghost, params, buffers, ids, y, lm_loss)
+    c = 0.3 / 3**0.5
+    groups = {"emb": ["emb.weight", "head.bias"], "mix": ["mix.weight", "mix.bias"]}
+    expect = {}
+    for names in groups.values():
+        n = sum(ref[k].flatten(1).square().sum(1) for k in names).sqrt()
+        coef = torch.clamp(c / (n + 1e-6), max=1.0)
+        expect.update({k: torch.tensordot(coef, ref[k], dims=1) for k in names})
+    assert set(got) == set(expect)
+    for k in expect:
+        torch.testing.assert_close(got[k], expect[k], **TOL, msg=k)
