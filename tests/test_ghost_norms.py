@@ -404,7 +404,7 @@ def test_cuda_matches_loop(model, dtype) -> None:
 def test_accepts_tied_parameters() -> None:  # exact: tests/test_ghost_rules_zoo.py
     net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     net[1].weight = net[0].weight
-    ghost, params, _ = make_ghost_model(net)
+    ghost, _, _ = make_ghost_model(net)
     assert ghost.layer_params == {"0": ("0.weight", "0.bias"), "1": ("0.weight", "1.bias")}
 
 
