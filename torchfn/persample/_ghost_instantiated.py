@@ -8,8 +8,9 @@
   at each sample's inputs with that sample's ``g``, under ``vmap`` (``randomness="error"``:
   the layer is recomputed, so it must be deterministic).
 
-:func:`rule_for` picks the rule of a module (exact built-in types, and HF transformers'
-``Conv1D`` recognised by its module path and name, ``transformers.pytorch_utils.Conv1D``,
+:func:`rule_for` picks the rule of a module (exact built-in types -- also
+``nn.MultiheadAttention(batch_first=True)`` with fused QKV weights, whose projections get
+linear forms (:mod:`torchfn.persample._ghost_attention`) --, and HF transformers' ``Conv1D`` recognised by its module path and name, ``transformers.pytorch_utils.Conv1D``,
 without importing transformers; anything else with parameters, subclasses included, gets
 the fallback).
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchfn.persample._ghost_attention import AttentionRule, attention_rule_applies
 from torchfn.persample._ghost_layers import (
     Calls,
     ConvRule,
@@ -205,6 +207,8 @@ def rule_for(module: nn.Module, fallback_chunk_size: int | None = None,
         return ConvRule(conv_method)
     if t is nn.Embedding:
         return EmbeddingRule()
+    if attention_rule_applies(module):
+        return AttentionRule()
     if t in NORM_TYPES:
         return NormRule()
     return FallbackRule(fallback_chunk_size)
