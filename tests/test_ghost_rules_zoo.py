@@ -531,3 +531,33 @@ def test_multihead_attention_in_encoder_layer_eval_mode() -> None:
     pad[1, 3:] = True
     kinds = check(Encoder().eval(), PairBatch((x, pad)), torch.randn(B, 5, 3))
     assert kinds["layer.self_attn"] == "attention"
+
+
+class LlamaWrap(nn.Module):
+    """A tiny HF Llama LM with tied input/output embeddings (HF RMSNorm: vmap fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.LlamaConfig(vocab_size=13, hidden_size=8, intermediate_size=12,
+                                       num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, max_position_embeddings=16,
+                                       tie_word_embeddings=True, attn_implementation="eager")
+        self.lm = transformers.LlamaForCausalLM(cfg)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.lm(input_ids=ids).logits
+
+
+def test_llama_tied_embeddings_and_rmsnorm() -> None:
+    torch.manual_seed(0)
+    net = LlamaWrap()
+    assert net.lm.lm_head.weight is net.lm.model.embed_tokens.weight
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    kinds = check(net, torch.randint(0, 13, (B, 6)), torch.randint(0, 13, (B, 6)), lm_loss,
+                  groups={"lm.model.embed_tokens": ["lm.lm_head"]})
+    assert kinds["lm.model.layers.0.input_layernorm"] == "fallback"
+    assert kinds["lm.model.layers.0.self_attn.q_proj"] == "linear"

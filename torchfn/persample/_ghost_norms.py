@@ -84,7 +84,7 @@ class GhostModel:
     :meth:`per_sample` runs one forward and one backward and returns :class:`GhostGrads`.
 
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
-    "embedding" | "norm" | "fallback"}``), ``layer_params`` (``{layer: (param names)}``),
+    "embedding" | "norm" | "attention" | "fallback"}``), ``layer_params`` (``{layer: (param names)}``),
     ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
     noised), ``trainable`` (the other parameter names), ``param_names``, ``buffer_names``,
     ``training``.
@@ -249,9 +249,11 @@ def make_ghost_model(
     clones), so one dict serves both. Layers: the built-in ``nn.Linear``, ``nn.Conv1d``,
     ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm`` get
     exact closed-form rules, and so does ``nn.BatchNorm1d/2d/3d`` in eval mode (subclasses are
-    treated as unknown); every other module that owns
+    treated as unknown); ``nn.MultiheadAttention(batch_first=True)`` with fused QKV weights
+    is one layer whose four projections get the linear forms (its attention core recomputed
+    once, batched); every other module that owns
     parameters directly becomes one layer handled by the vmap fallback, together with all its
-    submodules (e.g. ``nn.MultiheadAttention``, which reads its ``out_proj`` weights itself).
+    submodules (e.g. ``nn.MultiheadAttention(add_bias_kv=True)``).
     ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
     ``conv_method`` picks how conv layers get their per-sample gradients: ``"unfold"`` (patches,
     then the linear-layer forms; the default, faster on the benchmark CNN) or ``"grouped"``
