@@ -290,7 +290,7 @@ def test_transformer_with_multihead_attention_matches_loop() -> None:
     ids = torch.randint(0, 7, (B, 6))
     assert_matches_loop(TinyBlock(), ids, torch.randint(0, 3, (B,)), xent)
     ghost, _, _ = make_ghost_model(TinyBlock())
-    assert ghost.layer_kinds["mha"] == "fallback"
+    assert ghost.layer_kinds["mha"] == "attention"
 
 
 def test_root_owning_parameters_becomes_one_fallback_layer() -> None:

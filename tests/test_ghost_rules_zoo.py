@@ -1,11 +1,13 @@
 """Ghost per-sample gradient rules on zoo layers, against a loop of torch.autograd.grad.
 
 HF GPT-2's ``Conv1D`` (transposed linear rule), parameters tied across layers (embedding +
-LM head, two linears, three uses, frozen ties), ``nn.MultiheadAttention`` inside
-``nn.TransformerEncoderLayer`` (vmap fallback, with a key padding mask), depthwise/grouped
-convs and LayerNorm variants (subclasses, channels-last after a permute, an HF-style RMSNorm):
-materialised per-sample gradients, squared norms (flat and per layer, tied groups counted
-once), weighted sums, all in float64; plus compiled == eager for the new rules.
+LM head, two linears, three uses, a fallback layer, frozen ties, per-layer DP clipping of a
+tied group), ``nn.MultiheadAttention`` (the attention rule: masks, ``is_causal``, attention
+weights, cross attention, encoder/decoder layers; the vmap fallback for ``add_bias_kv``),
+depthwise/grouped convs, LayerNorm variants (a subclass, channels-last after a permute, an
+HF-style RMSNorm) and tiny HF GPT-2/Llama LMs: materialised per-sample gradients, squared
+norms (flat and per layer, tied groups counted once), weighted sums, all in float64; plus
+compiled == eager for the new rules.
 """
 
 from __future__ import annotations
@@ -79,21 +81,14 @@ def check(module: nn.Module, x: Tensor, y: Tensor, loss_fn=sq_loss,
     for k in params:
         expect = torch.tensordot(coef, ref[k], dims=1) if k in trainable else ref[k][0] * 0
         torch.testing.assert_close(summed[k], expect, **TOL, msg=k)
-    # per-layer coefficients: a tied layer takes its head's coefficient
+    # per-layer coefficients: a parameter takes its (first) layer's, a tied layer its head's
     coefs = {n: torch.rand(B, dtype=F64) + 0.1 for n in ghost.layer_names}
     summed = res.grads.weighted_sum(coefs)
     for k in trainable:
-        expect = sum(torch.tensordot(coefs[tied_to.get(n, n)], loop_part, dims=1)
-                     for n, loop_part in _uses(ghost, k, ref))
+        first = next(n for n, names in ghost.layer_params.items() if k in names)
+        expect = torch.tensordot(coefs[tied_to.get(first, first)], ref[k], dims=1)
         torch.testing.assert_close(summed[k], expect, **TOL, msg=k)
     return ghost.layer_kinds
-
-
-def _uses(ghost, k: str, ref: dict[str, Tensor]) -> list[tuple[str, Tensor]]:
-    """``[(layer, per-sample gradient of k)]`` where one layer holds ``k`` (the whole
-    gradient: a tied parameter's layers share one coefficient, so it is not split)."""
-    holders = [n for n, names in ghost.layer_params.items() if k in names]
-    return [(holders[0], ref[k])]
 
 
 # ---------------------------------------------------------------------------------------------
