@@ -330,12 +330,14 @@ def test_multihead_attention_rule(mode: str) -> None:
     assert kinds["attn"] == "attention"
 
 
-def test_multihead_attention_fallback_for_bias_kv_and_eval_dropout() -> None:
+def test_multihead_attention_bias_kv_fallback_eval_dropout_no_bias() -> None:
     torch.manual_seed(0)
     kinds = check(MHA("weights", add_bias_kv=True), torch.randn(B, 4, 6), torch.randn(B, 4, 6))
     assert kinds["attn"] == "fallback"
     kinds = check(MHA("no_weights", dropout=0.5).eval(), torch.randn(B, 4, 6),
                   torch.randn(B, 4, 6))
+    assert kinds["attn"] == "attention"
+    kinds = check(MHA("cross_twice", bias=False), torch.randn(B, 4, 6), torch.randn(B, 4, 6))
     assert kinds["attn"] == "attention"
 
 
