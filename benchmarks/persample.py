@@ -7,8 +7,8 @@ Two models, side by side in one run:
 - ``transformer``: a 4-layer pre-LN encoder at sequence length 128 (d_model 256, 4 heads,
   MLP 1024, vocab 8192, batch 64, mean-pooled classifier), written from nn.Embedding,
   nn.Linear, nn.LayerNorm and F.scaled_dot_product_attention, so every parameterised layer
-  has a ghost-norm rule (nn.TransformerEncoderLayer's fused attention would hit the vmap
-  fallback).
+  has a closed-form ghost-norm rule (nn.TransformerEncoderLayer's nn.MultiheadAttention has
+  a rule too, but it recomputes the attention core once more).
 
 Timed training steps (SGD, noise multiplier 1, clipping norm 1; one full step each: forward,
 backward, clipping, noise, update):

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfn.persample._ghost_layers import Prepared, Rule
+from torchfn.persample._ghost_tied import cross_dot, shared_pairs, tied_groups
 
 __all__ = ["GhostGrads", "GhostResult"]
 
@@ -45,6 +46,10 @@ class GhostGrads:
     Built by :meth:`GhostModel.per_sample`. Holds, per layer, what its rule needs (input
     activations and output gradients, or small instantiated per-sample gradients).
     ``layer_names`` (tuple) lists the layers called in this batch; ``batch_size`` is ``B``.
+
+    A parameter tied across layers gets the sum of its uses' gradients; its norms include
+    the cross terms, and layers that share parameters form one clipping group named after
+    its first layer (:mod:`torchfn.persample._ghost_tied`).
     """
 
     def __init__(self, layers: dict[str, Prepared], spec: dict[str, Layer],
@@ -53,6 +58,9 @@ class GhostGrads:
         self._layers, self._spec, self._params = layers, spec, params
         self._frozen, self.batch_size, self._like = frozen, batch_size, like
         self.layer_names = tuple(layers)
+        layer_params = {n: lay.params for n, lay in spec.items()}
+        self._group = tied_groups(layer_params)  # layer -> first layer of its tied group
+        self._pairs = shared_pairs(layer_params)
 
     def sq_norms(self, per_layer: bool = False) -> Tensor | TensorDict:
         """Return the ``(B,)`` squared per-sample gradient norms (all parameters together).
@@ -74,6 +82,16 @@ class GhostGrads:
         zeros = self._like.new_zeros(self.batch_size)
         out = {name: (self._layers[name].sq_norms().to(zeros.dtype) if name in self._layers
                       else zeros) for name in self._spec}
+        materialized: dict[int, TensorDict] = {}
+        for a, b, shared in self._pairs:  # tied parameters: 2 <G_a,i, G_b,i>
+            if a in self._layers and b in self._layers:
+                cross = cross_dot(self._layers[a], self._layers[b], shared, materialized)
+                head = self._group[a]
+                out[head] = out[head] + 2 * cross.to(zeros.dtype)
+        for name, head in self._group.items():  # a tied group counts as its first layer
+            if head != name:
+                out[head] = out[head] + out[name]
+                out[name] = zeros
         if per_layer:
             return out
         total = zeros
@@ -85,7 +103,8 @@ class GhostGrads:
         """Return ``{param_name: sum_i coef_i grad_i}``, shaped like the parameters.
 
         ``coef`` is ``(B,)`` for all layers, or ``{layer_name: (B,)}`` (per-layer clipping;
-        every trainable layer must be present). With ``coef_i = min(1, C / ||grad_i||)`` this
+        every trainable layer must be present; layers tied to an earlier one use its
+        coefficient). With ``coef_i = min(1, C / ||grad_i||)`` this
         is DP-SGD's clipped sum, computed book-keeping style (one GEMM per linear/conv layer
         from the recorded activations and output gradients; no second backward). With ones it
         is the ordinary summed gradient. Frozen parameters get zeros.
@@ -97,11 +116,12 @@ class GhostGrads:
                                  f"layers {missing} (expected keys {list(self._spec)})")
         out: TensorDict = {}
         for name, layer in self._spec.items():
-            c = coef[name] if isinstance(coef, Mapping) else coef
+            c = coef[self._group[name]] if isinstance(coef, Mapping) else coef
             sums = self._layers[name].weighted_sum(c) if name in self._layers else {}
             for loc, glob in layer.params.items():
                 p = self._params[glob]
-                out[glob] = sums[loc].to(p.dtype) if loc in sums else torch.zeros_like(p)
+                s = sums[loc].to(p.dtype) if loc in sums else torch.zeros_like(p)
+                out[glob] = out[glob] + s if glob in out else s  # tied: sum of the uses
         for glob in self._frozen:
             out[glob] = torch.zeros_like(self._params[glob])
         return {k: out[k] for k in self._params}
@@ -117,6 +137,7 @@ class GhostGrads:
             grads = self._layers[name].materialize() if name in self._layers else {}
             for loc, glob in layer.params.items():
                 p = self._params[glob]
-                out[glob] = (grads[loc].to(p.dtype) if loc in grads
-                             else p.new_zeros(self.batch_size, *p.shape))
+                g = (grads[loc].to(p.dtype) if loc in grads
+                     else p.new_zeros(self.batch_size, *p.shape))
+                out[glob] = out[glob] + g if glob in out else g  # tied: sum of the uses
         return {k: out[k] for k in self._params if k in out}

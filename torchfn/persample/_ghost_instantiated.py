@@ -8,8 +8,11 @@
   at each sample's inputs with that sample's ``g``, under ``vmap`` (``randomness="error"``:
   the layer is recomputed, so it must be deterministic).
 
-:func:`rule_for` picks the rule of a module (exact built-in types; anything else with
-parameters gets the fallback).
+:func:`rule_for` picks the rule of a module (exact built-in types -- also
+``nn.MultiheadAttention(batch_first=True)`` with fused QKV weights, whose projections get
+linear forms (:mod:`torchfn.persample._ghost_attention`) --, and HF transformers' ``Conv1D`` recognised by its module path and name, ``transformers.pytorch_utils.Conv1D``,
+without importing transformers; anything else with parameters, subclasses included, gets
+the fallback).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchfn.persample._ghost_attention import AttentionRule, attention_rule_applies
 from torchfn.persample._ghost_layers import (
     Calls,
     ConvRule,
@@ -186,16 +190,26 @@ class FallbackRule(Rule):
         return Instantiated(_sum_calls(per_call))
 
 
+def _is_hf_conv1d(t: type) -> bool:
+    """Whether ``t`` is HF transformers' ``Conv1D`` (recognised by name: torchfn does not
+    import transformers; the class is exact, its forward ``x @ W + b`` with ``W (nx, nf)``)."""
+    return t.__module__ == "transformers.pytorch_utils" and t.__qualname__ == "Conv1D"
+
+
 def rule_for(module: nn.Module, fallback_chunk_size: int | None = None,
              conv_method: str = "unfold") -> Rule:
     """Return the rule for ``module`` (exact built-in types only; subclasses use the fallback)."""
     t = type(module)
     if t is nn.Linear or t is nn.modules.linear.NonDynamicallyQuantizableLinear:
         return LinearRule()
+    if _is_hf_conv1d(t):
+        return LinearRule(transposed=True)
     if t in (nn.Conv1d, nn.Conv2d):
         return ConvRule(conv_method)
     if t is nn.Embedding:
         return EmbeddingRule()
+    if attention_rule_applies(module):
+        return AttentionRule()
     if t in NORM_TYPES:
         return NormRule()
     if t in RECURRENT_TYPES:  # torchfn's RNN/GRU/LSTM (make_ghost_model swaps torch's in)

@@ -14,9 +14,13 @@ Rules (``y = layer(x)``, ``g = dL/dy``; calls of one layer are concatenated alon
 
 - ``nn.Linear``: ``G_i = g_i^T a_i`` with ``a = x`` flattened to ``(B, T, d_in)``; norms and sums
   by :func:`torchfn.ops.linear_grad_norms_sq` / :func:`torchfn.ops.clipped_linear_grad_sum`.
+  HF transformers' ``Conv1D`` (``y = x W + b``, ``W (d_in, d_out)``: GPT-2's projections) is
+  the same map with the weight stored transposed: the same forms, ``G_i^T`` reported.
 - ``nn.Conv1d``/``nn.Conv2d``: the same with ``a`` = the input unfolded into patches
   ``(B, L, C_in/groups * prod(kernel))`` (any stride, padding -- also ``'same'`` and non-zero
-  padding modes --, dilation; groups handled block by block); or, opt-in, weight-gradient
+  padding modes --, dilation); grouped and depthwise convs (``groups > 1``) form every
+  group's per-sample gradient in one batched GEMM from the patches (or the grouped Gram form
+  where that is cheaper), with no loop over groups; or, opt-in, weight-gradient
   convolutions with the batch folded into the groups (no unfold: less memory).
 - ``nn.Embedding``: ``G_i[v] = sum_{t: id_it = v} g_it``; ``||G_i||^2`` sums the squared
   norms of the per-id segment sums after a per-sample sort (``O(B T D)``, no ``T x T`` Gram);
@@ -124,9 +128,10 @@ class _LinearLike(Prepared):
     """
 
     def __init__(self, a: Tensor, g: Tensor, groups: int, weight_shape: torch.Size,
-                 bias: bool) -> None:
+                 bias: bool, transposed: bool = False) -> None:
         self.a, self.g = _common(a, g)  # (B, d_in) / (B, d_out) or (B, T, d_in) / (B, T, d_out)
         self.groups, self.weight_shape, self.bias = groups, weight_shape, bias
+        self.transposed = transposed  # weight stored as (d_in, d_out) (HF's Conv1D); groups 1
         self._kept: Tensor | None = None  # (B, d_out, d_in) once materialised by sq_norms
         self._bookkeeping = False
 
@@ -176,6 +181,8 @@ class _LinearLike(Prepared):
         else:
             a, g = self._grouped()
             w = torch.einsum("btgo,btgk->gok", g * c[:, None, None, None], a)
+        if self.transposed:
+            w = w.transpose(-1, -2)
         out = {"weight": w.reshape(self.weight_shape)}
         if self.bias:
             out["bias"] = clipped_linear_bias_grad_sum(self.g, c)
@@ -187,6 +194,8 @@ class _LinearLike(Prepared):
         else:
             a, g = self._grouped()
             w = torch.einsum("btgo,btgk->bgok", g, a)
+        if self.transposed:
+            w = w.reshape(w.shape[0], -1, w.shape[-1]).transpose(-1, -2)
         out = {"weight": w.reshape(w.shape[0], *self.weight_shape)}
         if self.bias:
             out["bias"] = self.g.sum(1) if self.g.dim() == 3 else self.g
@@ -250,7 +259,14 @@ class Rule:
 
 
 class LinearRule(Rule):
+    """``nn.Linear`` (``y = x W^T + b``, ``W (d_out, d_in)``), or with ``transposed=True`` HF
+    transformers' ``Conv1D`` (``y = x W + b``, ``W (d_in, d_out)``; GPT-2's ``c_attn``,
+    ``c_proj``, ``c_fc``): the same kernels, the weight's gradients transposed."""
+
     kind = "linear"
+
+    def __init__(self, transposed: bool = False) -> None:
+        self.transposed = transposed
 
     def prepare(self, module: nn.Module, name: str, params: TensorDict, buffers: TensorDict,
                 calls: Calls, grads: Grads) -> Prepared:
@@ -266,7 +282,7 @@ class LinearRule(Rule):
         a, g = _cat_time(pairs)
         weight = params["weight"]
         return _LinearLike(a.to(weight.dtype), g.to(weight.dtype), 1, weight.shape,
-                           "bias" in params)
+                           "bias" in params, self.transposed)
 
 
 def _pair(v: Any, n: int) -> tuple[int, ...]:
@@ -406,12 +422,51 @@ class ConvRule(Rule):
                      for (x, _), (g,) in zip(shaped, grads, strict=True)]
             return _ConvGrouped(pairs, geometry, module.groups, weight.shape, "bias" in params)
         s, pad, d, k = geometry
-        patches = [rearrange(F.unfold(x, k, dilation=d, padding=pad, stride=s), "b ck l -> b l ck")
-                   for x, _ in shaped]  # (B, L, C*prod(k)) per call
+        unfolded = [F.unfold(x, k, dilation=d, padding=pad, stride=s) for x, _ in shaped]
+        if module.groups > 1:
+            grouped = _grouped_per_sample(unfolded, [g for (g,) in grads], module.groups,
+                                          weight, "bias" in params)
+            if grouped is not None:
+                return grouped
+        patches = [rearrange(u, "b ck l -> b l ck") for u in unfolded]  # (B, L, C*prod(k))
         gs = [rearrange(g.to(weight.dtype), "b c ... -> b (...) c") for (g,) in grads]
         a = torch.cat(patches, 1) if len(patches) > 1 else patches[0]
         g = torch.cat(gs, 1) if len(gs) > 1 else gs[0]
         return _LinearLike(a, g, module.groups, weight.shape, "bias" in params)
+
+
+def _grouped_per_sample(unfolded: list[Tensor], grads: list[Tensor], groups: int,
+                        weight: Tensor, bias: bool) -> Instantiated | None:
+    """Per-sample gradients of a grouped (e.g. depthwise) conv, all groups in one batched
+    GEMM from the ``(B, C_in * prod(k), L)`` patches, or None where the Gram form is cheaper.
+
+    Per group the weight is ``(o, k)`` with ``o = C_out / groups``, ``k = C_in / groups *
+    prod(kernel)``; materialising ``(B, groups, o, k)`` costs ``B L C_out k`` multiply-adds
+    against the Gram form's ``B groups L^2 (k + o)``, so it wins unless ``L (k + o) <= k o``
+    (always for depthwise convs, ``o = 1``). The patches stay in their unfold layout, and no
+    ``(B groups, L, k)`` copy is made.
+    """
+    b, c_k = unfolded[0].shape[:2]
+    c_out = weight.shape[0]
+    k, o = c_k // groups, c_out // groups
+    total_length = sum(u.shape[-1] for u in unfolded)
+    if gram_is_cheaper(total_length, k, o):
+        return None
+    w: Tensor | None = None
+    bias_sum: Tensor | None = None
+    for u, g in zip(unfolded, grads, strict=True):
+        u, g = _common(u.to(weight.dtype), g.to(weight.dtype))
+        g = g.reshape(b, c_out, -1)  # (B, C_out, L)
+        part = torch.matmul(g.reshape(b, groups, o, -1), u.reshape(b, groups, k, -1).mT)
+        w = part if w is None else w + part
+        if bias:
+            s = g.sum(-1)
+            bias_sum = s if bias_sum is None else bias_sum + s
+    assert w is not None
+    out = {"weight": w.reshape(b, *weight.shape)}
+    if bias_sum is not None:
+        out["bias"] = bias_sum
+    return Instantiated(out)
 
 
 class _EmbeddingGrads(Prepared):

@@ -3,9 +3,10 @@
 How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)``):
 
 1. :func:`make_ghost_model` deep-copies the module and wraps every *layer* -- a built-in layer
-   torchfn has a rule for (``nn.Linear``, ``nn.Conv1d/2d``, ``nn.Embedding``,
-   ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``, and
-   ``nn.RNN``/``nn.GRU``/``nn.LSTM``, swapped first for torchfn's transform-safe twins), or else the
+   torchfn has a rule for (``nn.Linear``, HF's ``Conv1D``, ``nn.Conv1d/2d``, ``nn.Embedding``,
+   ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``,
+   ``nn.MultiheadAttention(batch_first=True)``, and ``nn.RNN``/``nn.GRU``/``nn.LSTM``, swapped
+   first for torchfn's transform-safe twins), or else the
    outermost module that
    owns parameters directly (the vmap fallback owns its whole subtree) -- in a tap. A tap
    shares the layer's parameter/buffer/child dicts, so names and :func:`make_functional`'s
@@ -23,10 +24,11 @@ How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)`
    materialised per-sample gradients.
 
 Limits: the batch is dim 0 of every layer input and output; a parameter must be used only
-inside the forward of the layer that owns it (a weight tied between two layers, or read by a
-parent as ``F.linear(x, self.head.weight)``, makes the norms wrong -- tied parameters are
-refused, and :func:`check_ghost_coverage` detects the rest); layers must not mix samples
-(BatchNorm in training mode is refused).
+inside the forward of layers that hold it (a weight tied between two layers, e.g. GPT-2's
+``wte.weight is lm_head.weight``, is exact: its uses are summed and the norms get the cross
+terms; a weight read by a parent as ``F.linear(x, self.head.weight)`` makes the norms wrong,
+which :func:`check_ghost_coverage` detects); layers must not mix samples (BatchNorm in
+training mode is refused).
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ class GhostModel:
     (``module(**inputs)``, HF style); every tensor in it has the batch in dim 0.
 
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
-    "embedding" | "norm" | "recurrent" | "fallback" | "direct"}``), ``layer_params``
-    (``{layer: (param names)}``),
+    "embedding" | "norm" | "attention" | "recurrent" | "fallback" | "direct"}``),
+    ``layer_params`` (``{layer: (param names)}``),
     ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
     noised), ``trainable`` (the other parameter names), ``param_names``, ``buffer_names``,
     ``training``.
@@ -355,23 +357,31 @@ def make_ghost_model(
     clones), so one dict serves both. Layers: the built-in ``nn.Linear``, ``nn.Conv1d``,
     ``nn.Conv2d``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm`` get
     exact closed-form rules, and so does ``nn.BatchNorm1d/2d/3d`` in eval mode (subclasses are
-    treated as unknown). ``nn.RNN``/``nn.GRU``/``nn.LSTM`` are swapped for torchfn's
+    treated as unknown); ``nn.MultiheadAttention(batch_first=True)`` with fused QKV weights
+    is one layer whose four projections get the linear forms (its attention core recomputed
+    once, batched). ``nn.RNN``/``nn.GRU``/``nn.LSTM`` are swapped for torchfn's
     transform-safe twins (:func:`torchfn.functional.replace_recurrent`; same keys) and get an
     exact rule too: each weight is a linear map applied at every step, whose per-sample
     gradient is a sum over time of outer products (inter-layer dropout in training mode is
     refused: the rule recomputes the layer). Every other module that owns
     parameters directly becomes one layer handled by the vmap fallback, together with all its
-    submodules (e.g. ``nn.MultiheadAttention``, which reads its ``out_proj`` weights itself).
+    submodules (e.g. ``nn.MultiheadAttention(add_bias_kv=True)``).
     ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
     ``conv_method`` picks how conv layers get their per-sample gradients: ``"unfold"`` (patches,
     then the linear-layer forms; the default, faster on the benchmark CNN) or ``"grouped"``
     (weight-gradient convolutions with the batch folded into the groups: no ``k x k``-times
     larger patches in memory).
 
-    Refused with :class:`GhostLayerError`: parameters shared between layers, BatchNorm in
-    training mode, ``nn.Embedding`` with ``max_norm``/``scale_grad_by_freq``,
-    ``nn.MultiheadAttention(batch_first=False)``, a layer whose parameters are partly frozen,
-    a recurrent layer with inter-layer dropout in training mode or an unbatched input.
+    HF transformers' ``Conv1D`` (GPT-2's projections) gets the linear rule with its weight
+    transposed. A parameter tied across layers (``lm_head.weight is wte.weight``) is exact:
+    its per-sample gradient is the sum of its uses', its norms include the cross terms, and
+    the layers sharing it form one per-layer clipping group named after the first of them
+    (the others report zero norms and take its coefficient).
+
+    Refused with :class:`GhostLayerError`: BatchNorm in training mode, ``nn.Embedding`` with
+    ``max_norm``/``scale_grad_by_freq``, ``nn.MultiheadAttention(batch_first=False)``, a layer
+    whose parameters are partly frozen, a recurrent layer with inter-layer dropout in training
+    mode or an unbatched input.
 
     Example::
 
@@ -398,7 +408,6 @@ def make_ghost_model(
 
     layers: dict[str, Layer] = {}
     frozen: list[str] = []
-    owner: dict[int, str] = {}
 
     def adopt(parent: nn.Module, attr: str, m: nn.Module, name: str,
               direct: bool = False) -> None:
@@ -407,21 +416,12 @@ def make_ghost_model(
                 else rule_for(m, fallback_chunk_size, conv_method))
         rule.check(m, name)
         refuse_batchnorm_training(m, name)
-        named_all = _direct_params(m) if direct else list(m.named_parameters(
-            remove_duplicate=False))
-        named = _dedup(named_all) if direct else list(m.named_parameters())
-        for _, p in named_all:
-            if id(p) in owner and owner[id(p)] != name:
-                raise GhostLayerError(
-                    f"make_ghost_model: parameter {primary[id(p)]!r} is shared by layers "
-                    f"{owner[id(p)]!r} and {name!r}; ghost per-sample gradients need each "
-                    "parameter inside one layer (untie the weights, or wrap both uses in one "
-                    "module, which then becomes a single fallback layer)"
-                )
-            owner[id(p)] = name
+        named = _dedup(_direct_params(m)) if direct else list(m.named_parameters())
+        # [ghostrules] parameters tied across layers are allowed: GhostGrads sums their uses
+        # and adds the cross terms to the norms (torchfn.persample._ghost_tied)
         trainable = [p.requires_grad for _, p in named]
         if not any(trainable):
-            frozen.extend(primary[id(p)] for _, p in named)
+            frozen.extend(n for n in (primary[id(p)] for _, p in named) if n not in frozen)
             return
         if not all(trainable):
             raise GhostLayerError(
