@@ -207,13 +207,24 @@ class GhostModel:
         tape = self._tape
         tape.reset()
         tape.mode, tape.batch = "shape", batch_size_of(inputs, "GhostModel.per_sample")
+
+        def shape_pass(dummy: Tensor) -> Tensor:
+            # under grad, with a zero added to every tapped output like the probes: code that
+            # branches on grad mode (torch's fused TransformerEncoder inference path reads its
+            # layers' weights without calling them) takes the recording pass's branch
+            tape.dummy = dummy
+            call_model(self._model_fn, params, buffers, inputs)
+            return dummy
+
+        like = next(iter(params.values()), None)
+        dummy = (torch.zeros(()) if like is None
+                 else torch.zeros((), dtype=like.dtype, device=like.device))
         try:
-            with torch.no_grad(), _no_mha_fastpath():
-                if compiling:
-                    call_model(self._model_fn, params, buffers, inputs)
-                else:  # a real forward: keep the random streams as they were
-                    with torch.random.fork_rng(devices=_cuda_devices(params)):
-                        call_model(self._model_fn, params, buffers, inputs)
+            if compiling:  # traced, then dead code
+                torch.func.grad(shape_pass)(dummy)
+            else:  # a real forward: keep the random streams as they were
+                with torch.random.fork_rng(devices=_cuda_devices(params)):
+                    torch.func.grad(shape_pass)(dummy)
             shapes = tape.shapes
         finally:
             tape.reset()
@@ -315,25 +326,6 @@ class GhostModel:
 
 def _cuda_devices(params: Mapping[str, Tensor]) -> list[int]:
     return sorted({t.device.index or 0 for t in params.values() if t.device.type == "cuda"})
-
-
-class _no_mha_fastpath:
-    """Switch off torch's fused TransformerEncoder/MultiheadAttention inference path.
-
-    The shape pass runs without gradients, where an eval-mode ``nn.TransformerEncoder`` would
-    take a fused kernel that reads its layers' weights without calling them (so their taps
-    would not see the call that the recording pass, with gradients, makes).
-    """
-
-    def __enter__(self) -> None:
-        self._was = None
-        if not torch.compiler.is_compiling():  # Dynamo skips the setter (a global flag)
-            self._was = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._was is not None:
-            torch.backends.mha.set_fastpath_enabled(self._was)
 
 
 def _direct_params(m: nn.Module) -> list[tuple[str, Tensor]]:
