@@ -364,6 +364,10 @@ def test_hf_bert_with_dict_inputs_and_padding_matches_loop() -> None:
     assert kinds["bert.encoder.layer.0.attention.self.query"] == "linear"
     assert "fallback" not in kinds.values()
     assert_dp_step_matches(ghost, params, buffers, inputs, y, ref, "flat")
+    shared = {**inputs, "position_ids": torch.arange(6)[None]}  # (1, T): shared input
+    torch.testing.assert_close(ghost_grad_norms(ghost, xent)(params, buffers, shared, y),
+                               sum(g.reshape(B, -1).square().sum(1) for g in ref.values()).sqrt(),
+                               **TOL)
     bad = {**inputs, "attention_mask": inputs["attention_mask"][:2]}
     with pytest.raises(ValueError, match=r"inputs\['attention_mask'\] has shape \(2, 6\)"):
         ghost.per_sample(params, buffers, bad, y, xent)
@@ -412,3 +416,20 @@ def test_batch_size_checks_name_the_input() -> None:
     with pytest.raises(ValueError, match="returned 2 per-sample losses, but the inputs have "
                                          "batch size 4"):
         lin.per_sample(lp, lb, torch.randn(B, 3), y, lambda o, t: o.sum(1)[:2])
+
+
+def test_hf_vit_embeddings_direct_layer_matches_loop() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(image_size=4, patch_size=2, num_channels=2, hidden_size=8,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=12, num_labels=3)
+    torch.manual_seed(11)
+    net = transformers.ViTForImageClassification(cfg).to(F64)
+    with torch.no_grad():  # HF initialises these to zeros: make their gradients non-trivial
+        net.vit.embeddings.cls_token.normal_()
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    ghost, *_ = assert_matches_loop(net, {"pixel_values": x}, y)
+    assert ghost.layer_kinds["vit.embeddings"] == "direct"
+    assert ghost.layer_kinds["vit.embeddings.patch_embeddings.projection"] == "conv"
+    assert ghost.layer_params["vit.embeddings"] == ("vit.embeddings.cls_token",
+                                                    "vit.embeddings.position_embeddings")
