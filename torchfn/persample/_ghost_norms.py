@@ -136,7 +136,10 @@ def batch_size_of(inputs: Any, where: str) -> int:
     if not leaves:
         raise ValueError(f"{where}: inputs must hold at least one tensor with the batch in "
                          f"dim 0, got {type(inputs).__name__} without one")
-    first, t0 = max(leaves, key=lambda pt: pt[1].shape[0])  # the first of the largest dim 0
+    first, t0 = leaves[0]
+    for path, t in leaves[1:]:  # the first of the largest dim 0 (no max(key=): Dynamo)
+        if t.shape[0] > t0.shape[0]:
+            first, t0 = path, t
     batch = t0.shape[0]
     for path, t in leaves:
         if t.shape[0] not in (batch, 1):
