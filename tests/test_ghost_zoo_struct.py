@@ -382,8 +382,10 @@ def test_hf_gpt2_untied_with_dict_inputs_matches_loop() -> None:
     net = transformers.GPT2LMHeadModel(cfg).to(F64)
     inputs, _ = _hf_batch(20)
     y = torch.randint(0, 20, (B, 6))
-    ghost, *_ = assert_matches_loop(net, inputs, y)
+    ghost, params, buffers, _ = assert_matches_loop(net, inputs, y)
     assert ghost.layer_kinds["transformer.wpe"] == "embedding"
+    with pytest.raises(ValueError, match="use_cache=False"):  # a DynamicCache in the outputs
+        ghost.per_sample(params, buffers, {**inputs, "use_cache": True}, y, xent)
 
 
 # --- 5. coverage check under dropout ---------------------------------------------------------

@@ -318,8 +318,17 @@ class GhostModel:
                 saved[name] = tensors_of(cs, [])
             return losses.sum(), (losses, outputs, new_buffers, saved)
 
-        grads, (losses, outputs, new_buffers, saved) = torch.func.grad(
-            objective, has_aux=True)(probes)
+        try:
+            grads, (losses, outputs, new_buffers, saved) = torch.func.grad(
+                objective, has_aux=True)(probes)
+        except RuntimeError as e:
+            if "Expected tensors, got unsupported type" not in str(e):
+                raise
+            raise ValueError(
+                "GhostModel.per_sample: the model's outputs hold an object that is neither a "
+                f"tensor nor a pytree of tensors ({e}); return tensors (HF models: pass "
+                "use_cache=False in inputs or the config, so no cache object is returned)"
+            ) from e
         prepared: dict[str, Prepared] = {}
         for name, tensors in saved.items():
             calls: Calls = fill_slots(static[name], iter(tensors))
