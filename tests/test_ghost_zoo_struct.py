@@ -125,7 +125,8 @@ class Encoder(nn.Module):
         self.emb = nn.Embedding(7, 8)
         layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True,
                                            norm_first=norm_first)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        # torch's default (nested tensors on the fused inference path) where it applies
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=not norm_first)
         self.head = nn.Linear(8, 3)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -188,9 +189,11 @@ def test_tap_forwards_attributes_but_not_dunders_and_copies() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # MHA fallback
-def test_compiled_transformer_encoder_equals_eager() -> None:
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_compiled_transformer_encoder_equals_eager(training) -> None:
+    """Eval mode: torch's fused inference path must not bypass the taps when compiled."""
     torch.manual_seed(2)
-    ghost, params, buffers = make_ghost_model(Encoder().to(F64))
+    ghost, params, buffers = make_ghost_model(Encoder().to(F64).train(training))
 
     def f(params, buffers, ids, y):
         res = ghost.per_sample(params, buffers, ids, y, xent)
