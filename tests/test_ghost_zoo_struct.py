@@ -258,6 +258,23 @@ def test_vit_root_parameters_are_a_direct_layer_and_the_rest_stays_ghost() -> No
         assert_dp_step_matches(ghost, params, buffers, x, y, ref, clipping)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap of SDPA
+def test_compiled_direct_layer_equals_eager() -> None:
+    torch.manual_seed(3)
+    ghost, params, buffers = make_ghost_model(TinyViT().to(F64))
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    coef = torch.rand(B, dtype=F64)
+
+    def f(params, buffers, x, y):
+        res = ghost.per_sample(params, buffers, x, y, xent)
+        return res.grads.sq_norms(per_layer=True), res.grads.weighted_sum(coef)
+
+    out_c = torch.compile(f, fullgraph=True, backend="aot_eager")(params, buffers, x, y)
+    for c, e in zip(out_c, f(params, buffers, x, y), strict=True):
+        for k in e:
+            torch.testing.assert_close(c[k], e[k], msg=k)
+
+
 def test_convnext_layer_scale_and_nested_direct_layers() -> None:
     class Net(nn.Module):
         def __init__(self) -> None:
