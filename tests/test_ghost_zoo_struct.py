@@ -455,3 +455,26 @@ def test_hf_vit_embeddings_direct_layer_matches_loop() -> None:
     assert ghost.layer_kinds["vit.embeddings.patch_embeddings.projection"] == "conv"
     assert ghost.layer_params["vit.embeddings"] == ("vit.embeddings.cls_token",
                                                     "vit.embeddings.position_embeddings")
+
+
+def test_hf_clip_vision_direct_layer_and_shared_position_ids_match_loop() -> None:
+    """CLIPVisionEmbeddings: class_embedding (direct), a conv, an Embedding of (1, N) ids."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.CLIPVisionConfig(image_size=4, patch_size=2, num_channels=2,
+                                        hidden_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=12)
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clip, self.head = transformers.CLIPVisionModel(cfg), nn.Linear(8, 3)
+
+        def forward(self, pixel_values: Tensor) -> Tensor:
+            return self.head(self.clip(pixel_values=pixel_values).pooler_output)
+
+    torch.manual_seed(12)
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    ghost, *_ = assert_matches_loop(Classifier().to(F64), {"pixel_values": x}, y)
+    assert {k: v for k, v in ghost.layer_kinds.items() if k.startswith("clip.embeddings")} == {
+        "clip.embeddings.patch_embedding": "conv",
+        "clip.embeddings.position_embedding": "embedding", "clip.embeddings": "direct"}
