@@ -408,6 +408,29 @@ def test_hf_gpt2_untied_with_dict_inputs_matches_loop() -> None:
         ghost.per_sample(params, buffers, {**inputs, "use_cache": True}, y, xent)
 
 
+def test_dict_inputs_with_other_keys_are_not_a_cached_signature() -> None:
+    class Optional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: Tensor, extra: Tensor | None = None,
+                    unused: Tensor | None = None) -> Tensor:
+            h = self.a(x) if extra is None else self.a(x) + self.b(extra)
+            return self.head(torch.tanh(h))
+
+    torch.manual_seed(13)
+    x, e, y = torch.randn(B, 3, dtype=F64), torch.randn(B, 3, dtype=F64), torch.randint(0, 2, (B,))
+    net = Optional().to(F64)
+    ghost, params, buffers = make_ghost_model(net)
+    ghost.per_sample(params, buffers, {"x": x, "unused": e}, y, xent)  # b is not called
+    ref = loop_grads(ghost, params, buffers, {"x": x, "extra": e}, y)  # same shapes, b called
+    res = ghost.per_sample(params, buffers, {"x": x, "extra": e}, y, xent)
+    mat = res.grads.materialize()
+    for k in ref:
+        torch.testing.assert_close(mat[k], ref[k], **TOL, msg=k)
+
+
 # --- 5. coverage check under dropout ---------------------------------------------------------
 
 

@@ -204,8 +204,8 @@ class Tap(nn.Module):
 
 
 def input_signature(params: Mapping[str, Tensor], inputs: Any, training: bool) -> Any:
-    leaves = optree.tree_leaves(inputs)
-    sig: list[Any] = [training]
+    leaves, spec = optree.tree_flatten(inputs)
+    sig: list[Any] = [training, spec]  # spec: the structure, with dict keys (keyword names)
     for t in leaves:
         if isinstance(t, Tensor):
             sig.append((tuple(t.shape), t.dtype, t.device))
