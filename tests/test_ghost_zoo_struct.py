@@ -82,7 +82,7 @@ def assert_matches_loop(net: nn.Module, inputs: Any, y: Tensor) -> Any:
     for layer, names in ghost.layer_params.items():
         expect = sum(ref[k].reshape(B, -1).square().sum(1) for k in names)
         torch.testing.assert_close(per_layer[layer], expect, **TOL, msg=layer)
-    coef = torch.rand(B, dtype=F64) + 0.1
+    coef = torch.rand(B, dtype=F64, device=y.device) + 0.1
     summed = res.grads.weighted_sum(coef)
     for k in ref:
         torch.testing.assert_close(summed[k], torch.tensordot(coef, ref[k], dims=1), **TOL,
@@ -335,7 +335,7 @@ class SharedPos(nn.Module):
         self.misuse = misuse
 
     def forward(self, ids: Tensor) -> Tensor:
-        pos = self.pos(torch.arange(ids.shape[1])[None])  # (1, T, 6)
+        pos = self.pos(torch.arange(ids.shape[1], device=ids.device)[None])  # (1, T, 6)
         if self.misuse:  # indexes dim 0 instead of broadcasting: not per-sample any more
             pos = pos[:1].expand(ids.shape[0], -1, -1)[0]
         return self.head(self.ln(self.tok(ids) + pos).mean(1))
@@ -501,3 +501,21 @@ def test_hf_clip_vision_direct_layer_and_shared_position_ids_match_loop() -> Non
     assert {k: v for k, v in ghost.layer_kinds.items() if k.startswith("clip.embeddings")} == {
         "clip.embeddings.patch_embedding": "conv",
         "clip.embeddings.position_embedding": "embedding", "clip.embeddings": "direct"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_dropout_coverage_direct_layer_and_shared_calls() -> None:
+    """CUDA: the coverage check replays the CUDA stream; direct and shared layers match."""
+    net = nn.Sequential(nn.Linear(5, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 3))
+    ghost, params, buffers = make_ghost_model(net.to("cuda", F64).train())
+    x = torch.randn(B * 4, 5, dtype=F64, device="cuda")
+    y = torch.randint(0, 3, (B * 4,), device="cuda")
+    state = torch.cuda.get_rng_state()
+    check_ghost_coverage(ghost, xent, params, buffers, x, y, rtol=1e-9, atol=1e-11)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    torch.manual_seed(3)
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    assert_matches_loop(TinyViT().to("cuda", F64), x.cuda(), y.cuda())
+    ids, y = _ids(5)
+    assert_matches_loop(SharedPos().to("cuda", F64), ids.cuda(), y.cuda())
