@@ -82,7 +82,7 @@ def assert_matches_loop(net: nn.Module, inputs: Any, y: Tensor) -> Any:
     for layer, names in ghost.layer_params.items():
         expect = sum(ref[k].reshape(B, -1).square().sum(1) for k in names)
         torch.testing.assert_close(per_layer[layer], expect, **TOL, msg=layer)
-    coef = torch.rand(B, dtype=F64) + 0.1
+    coef = torch.rand(B, dtype=F64, device=y.device) + 0.1
     summed = res.grads.weighted_sum(coef)
     for k in ref:
         torch.testing.assert_close(summed[k], torch.tensordot(coef, ref[k], dims=1), **TOL,
@@ -125,7 +125,8 @@ class Encoder(nn.Module):
         self.emb = nn.Embedding(7, 8)
         layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True,
                                            norm_first=norm_first)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        # torch's default (nested tensors on the fused inference path) where it applies
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=not norm_first)
         self.head = nn.Linear(8, 3)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -188,9 +189,11 @@ def test_tap_forwards_attributes_but_not_dunders_and_copies() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # MHA fallback
-def test_compiled_transformer_encoder_equals_eager() -> None:
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_compiled_transformer_encoder_equals_eager(training) -> None:
+    """Eval mode: torch's fused inference path must not bypass the taps when compiled."""
     torch.manual_seed(2)
-    ghost, params, buffers = make_ghost_model(Encoder().to(F64))
+    ghost, params, buffers = make_ghost_model(Encoder().to(F64).train(training))
 
     def f(params, buffers, ids, y):
         res = ghost.per_sample(params, buffers, ids, y, xent)
@@ -255,6 +258,23 @@ def test_vit_root_parameters_are_a_direct_layer_and_the_rest_stays_ghost() -> No
         assert_dp_step_matches(ghost, params, buffers, x, y, ref, clipping)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap of SDPA
+def test_compiled_direct_layer_equals_eager() -> None:
+    torch.manual_seed(3)
+    ghost, params, buffers = make_ghost_model(TinyViT().to(F64))
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    coef = torch.rand(B, dtype=F64)
+
+    def f(params, buffers, x, y):
+        res = ghost.per_sample(params, buffers, x, y, xent)
+        return res.grads.sq_norms(per_layer=True), res.grads.weighted_sum(coef)
+
+    out_c = torch.compile(f, fullgraph=True, backend="aot_eager")(params, buffers, x, y)
+    for c, e in zip(out_c, f(params, buffers, x, y), strict=True):
+        for k in e:
+            torch.testing.assert_close(c[k], e[k], msg=k)
+
+
 def test_convnext_layer_scale_and_nested_direct_layers() -> None:
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -315,7 +335,7 @@ class SharedPos(nn.Module):
         self.misuse = misuse
 
     def forward(self, ids: Tensor) -> Tensor:
-        pos = self.pos(torch.arange(ids.shape[1])[None])  # (1, T, 6)
+        pos = self.pos(torch.arange(ids.shape[1], device=ids.device)[None])  # (1, T, 6)
         if self.misuse:  # indexes dim 0 instead of broadcasting: not per-sample any more
             pos = pos[:1].expand(ids.shape[0], -1, -1)[0]
         return self.head(self.ln(self.tok(ids) + pos).mean(1))
@@ -364,6 +384,10 @@ def test_hf_bert_with_dict_inputs_and_padding_matches_loop() -> None:
     assert kinds["bert.encoder.layer.0.attention.self.query"] == "linear"
     assert "fallback" not in kinds.values()
     assert_dp_step_matches(ghost, params, buffers, inputs, y, ref, "flat")
+    shared = {**inputs, "position_ids": torch.arange(6)[None]}  # (1, T): shared input
+    torch.testing.assert_close(ghost_grad_norms(ghost, xent)(params, buffers, shared, y),
+                               sum(g.reshape(B, -1).square().sum(1) for g in ref.values()).sqrt(),
+                               **TOL)
     bad = {**inputs, "attention_mask": inputs["attention_mask"][:2]}
     with pytest.raises(ValueError, match=r"inputs\['attention_mask'\] has shape \(2, 6\)"):
         ghost.per_sample(params, buffers, bad, y, xent)
@@ -378,8 +402,33 @@ def test_hf_gpt2_untied_with_dict_inputs_matches_loop() -> None:
     net = transformers.GPT2LMHeadModel(cfg).to(F64)
     inputs, _ = _hf_batch(20)
     y = torch.randint(0, 20, (B, 6))
-    ghost, *_ = assert_matches_loop(net, inputs, y)
+    ghost, params, buffers, _ = assert_matches_loop(net, inputs, y)
     assert ghost.layer_kinds["transformer.wpe"] == "embedding"
+    with pytest.raises(ValueError, match="use_cache=False"):  # a DynamicCache in the outputs
+        ghost.per_sample(params, buffers, {**inputs, "use_cache": True}, y, xent)
+
+
+def test_dict_inputs_with_other_keys_are_not_a_cached_signature() -> None:
+    class Optional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x: Tensor, extra: Tensor | None = None,
+                    unused: Tensor | None = None) -> Tensor:
+            h = self.a(x) if extra is None else self.a(x) + self.b(extra)
+            return self.head(torch.tanh(h))
+
+    torch.manual_seed(13)
+    x, e, y = torch.randn(B, 3, dtype=F64), torch.randn(B, 3, dtype=F64), torch.randint(0, 2, (B,))
+    net = Optional().to(F64)
+    ghost, params, buffers = make_ghost_model(net)
+    ghost.per_sample(params, buffers, {"x": x, "unused": e}, y, xent)  # b is not called
+    ref = loop_grads(ghost, params, buffers, {"x": x, "extra": e}, y)  # same shapes, b called
+    res = ghost.per_sample(params, buffers, {"x": x, "extra": e}, y, xent)
+    mat = res.grads.materialize()
+    for k in ref:
+        torch.testing.assert_close(mat[k], ref[k], **TOL, msg=k)
 
 
 # --- 5. coverage check under dropout ---------------------------------------------------------
@@ -412,3 +461,61 @@ def test_batch_size_checks_name_the_input() -> None:
     with pytest.raises(ValueError, match="returned 2 per-sample losses, but the inputs have "
                                          "batch size 4"):
         lin.per_sample(lp, lb, torch.randn(B, 3), y, lambda o, t: o.sum(1)[:2])
+
+
+def test_hf_vit_embeddings_direct_layer_matches_loop() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(image_size=4, patch_size=2, num_channels=2, hidden_size=8,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=12, num_labels=3)
+    torch.manual_seed(11)
+    net = transformers.ViTForImageClassification(cfg).to(F64)
+    with torch.no_grad():  # HF initialises these to zeros: make their gradients non-trivial
+        net.vit.embeddings.cls_token.normal_()
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    ghost, *_ = assert_matches_loop(net, {"pixel_values": x}, y)
+    assert ghost.layer_kinds["vit.embeddings"] == "direct"
+    assert ghost.layer_kinds["vit.embeddings.patch_embeddings.projection"] == "conv"
+    assert ghost.layer_params["vit.embeddings"] == ("vit.embeddings.cls_token",
+                                                    "vit.embeddings.position_embeddings")
+
+
+def test_hf_clip_vision_direct_layer_and_shared_position_ids_match_loop() -> None:
+    """CLIPVisionEmbeddings: class_embedding (direct), a conv, an Embedding of (1, N) ids."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.CLIPVisionConfig(image_size=4, patch_size=2, num_channels=2,
+                                        hidden_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=12)
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clip, self.head = transformers.CLIPVisionModel(cfg), nn.Linear(8, 3)
+
+        def forward(self, pixel_values: Tensor) -> Tensor:
+            return self.head(self.clip(pixel_values=pixel_values).pooler_output)
+
+    torch.manual_seed(12)
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    ghost, *_ = assert_matches_loop(Classifier().to(F64), {"pixel_values": x}, y)
+    assert {k: v for k, v in ghost.layer_kinds.items() if k.startswith("clip.embeddings")} == {
+        "clip.embeddings.patch_embedding": "conv",
+        "clip.embeddings.position_embedding": "embedding", "clip.embeddings": "direct"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_dropout_coverage_direct_layer_and_shared_calls() -> None:
+    """CUDA: the coverage check replays the CUDA stream; direct and shared layers match."""
+    net = nn.Sequential(nn.Linear(5, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 3))
+    ghost, params, buffers = make_ghost_model(net.to("cuda", F64).train())
+    x = torch.randn(B * 4, 5, dtype=F64, device="cuda")
+    y = torch.randint(0, 3, (B * 4,), device="cuda")
+    state = torch.cuda.get_rng_state()
+    check_ghost_coverage(ghost, xent, params, buffers, x, y, rtol=1e-9, atol=1e-11)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    torch.manual_seed(3)
+    x, y = torch.randn(B, 2, 4, 4, dtype=F64), torch.randint(0, 3, (B,))
+    assert_matches_loop(TinyViT().to("cuda", F64), x.cuda(), y.cuda())
+    ids, y = _ids(5)
+    assert_matches_loop(SharedPos().to("cuda", F64), ids.cuda(), y.cuda())

@@ -313,7 +313,10 @@ class DPTrainStep:
                  valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
         """Return ``(new_state, metrics)`` for a logical batch held in ONE physical batch.
 
-        ``batch = (inputs, targets)`` with batch dim 0 of size ``P``; ``valid`` is ``(P,)``
+        ``batch = (inputs, targets)`` with batch dim 0 of size ``P``; ``inputs`` is a tensor, a
+        tuple (the module's one positional argument) or a dict of keyword inputs (HF style:
+        ``module(**inputs)``), every tensor in it with the batch (or 1, shared by the batch) in
+        dim 0; ``valid`` is ``(P,)``
         bool (False for padding). ``metrics`` (0-d tensors): ``loss`` (mean over valid
         examples), ``batch_size`` (valid count), ``clip_fraction``, ``grad_norm_mean``
         (mean unclipped per-sample norm).

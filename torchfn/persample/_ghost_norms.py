@@ -2,33 +2,49 @@
 
 How it works (no module hooks, so it runs under ``torch.compile(fullgraph=True)``):
 
-1. :func:`make_ghost_model` deep-copies the module and wraps every *layer* -- a built-in layer
+1. :func:`make_ghost_model` deep-copies the module (``nn.RNN``/``nn.GRU``/``nn.LSTM`` swapped
+   for torchfn's transform-safe twins) and wraps every *layer* in a tap: a built-in layer
    torchfn has a rule for (``nn.Linear``, HF's ``Conv1D``, ``nn.Conv1d/2d``, ``nn.Embedding``,
    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, eval ``nn.BatchNorm*``,
-   ``nn.MultiheadAttention(batch_first=True)``, and ``nn.RNN``/``nn.GRU``/``nn.LSTM``, swapped
-   first for torchfn's transform-safe twins), or else the
-   outermost module that
-   owns parameters directly (the vmap fallback owns its whole subtree) -- in a tap. A tap
-   shares the layer's parameter/buffer/child dicts, so names and :func:`make_functional`'s
-   slot swapping are unchanged, and calls the layer as usual. The copy then goes through
-   :func:`make_functional`.
+   ``nn.MultiheadAttention(batch_first=True)``, torchfn's recurrent layers); a module that
+   owns parameters directly and has no parameterised children, or reads its children's
+   weights itself, or ties parameters inside its subtree: one vmap-fallback layer with its
+   whole subtree; and the *direct* parameters of any other module (a ViT root's
+   ``pos_embed``/``cls_token``, a ConvNeXt block's layer scale): a ``"direct"`` layer of
+   those parameters only, while its children keep their own layers and taps (taps nest). A
+   tap shares the layer's parameter/buffer/child dicts, so names and
+   :func:`make_functional`'s slot swapping are unchanged, forwards attribute reads to the
+   layer (``nn.TransformerEncoder`` reads ``self_attn.batch_first``), and calls the layer as
+   usual. The copy then goes through :func:`make_functional`.
 2. :meth:`GhostModel.per_sample` runs ``torch.func.grad`` of ``sum_i loss_i`` with respect to
    zero "probe" tensors only (parameters are constants: no weight gradients are formed). In
    that pass every tap records its call's inputs on a tape (a plain Python object; Dynamo
    replays the writes) and returns ``layer(x) + probe``. So one backward yields each layer's
    output gradient ``g``, which for a sum of per-sample losses holds each sample's own
-   gradient in its batch row. The probes' shapes come from a no-grad shape pass: cached per
-   input signature in eager mode, traced (and dead-code-eliminated) under ``torch.compile``.
+   gradient in its batch row. The probes' shapes come from a shape pass (under grad, with a
+   0-d zero added at every tap, so grad-dependent branches match): cached per input
+   signature in eager mode, traced (and dead-code-eliminated) under ``torch.compile``. A
+   call of a layer on data shared by the batch (leading dim 1, e.g. HF position ids
+   ``(1, T)``) has its output expanded to the batch ``B`` before the probe is added and its
+   inputs recorded expanded (:mod:`torchfn.persample._ghost_tape`).
 3. :class:`GhostGrads` applies each layer's rule (:mod:`torchfn.persample._ghost_layers`)
    to the recorded ``(x, g)``: squared norms, weighted sums (book-keeping DP-SGD) or the
-   materialised per-sample gradients.
+   materialised per-sample gradients. A direct layer's rule is a per-sample ``vjp`` of its
+   module's own forward with respect to the direct parameters only (children untapped).
 
-Limits: the batch is dim 0 of every layer input and output; a parameter must be used only
-inside the forward of layers that hold it (a weight tied between two layers, e.g. GPT-2's
-``wte.weight is lm_head.weight``, is exact: its uses are summed and the norms get the cross
-terms; a weight read by a parent as ``F.linear(x, self.head.weight)`` makes the norms wrong,
-which :func:`check_ghost_coverage` detects); layers must not mix samples (BatchNorm in
-training mode is refused).
+Inputs: one tensor or tuple (the module's single positional argument) or a dict of keyword
+inputs (HF style, ``module(**inputs)``); every tensor in it has the batch in dim 0 (or 1, for
+a tensor shared by the batch, e.g. HF ``position_ids`` ``(1, T)``).
+
+Limits: the batch is dim 0 of every layer input and output, or dim 0 is 1 for a call shared
+by the batch whose output is then only broadcast against the batch; a parameter must be used
+only inside the forward of layers that hold it (a weight tied between two layers, e.g.
+GPT-2's ``wte.weight is lm_head.weight``, is exact: its uses are summed and the norms get the
+cross terms; a weight read by a parent as ``F.linear(x, self.head.weight)`` makes the norms
+wrong, which :func:`check_ghost_coverage` detects, as it detects a shared output indexed over
+dim 0); layers must not mix samples (BatchNorm in training mode is refused); fallback and
+direct layers are recomputed per sample, so they must be deterministic (dropout inside them
+is refused in training mode: set it to 0 or use eval).
 """
 
 from __future__ import annotations
@@ -113,23 +129,27 @@ def _tensor_leaves(obj: Any, path: str, out: list[tuple[str, Tensor]]
 
 
 def batch_size_of(inputs: Any, where: str) -> int:
-    """Return ``B``, the dim 0 shared by every tensor of ``inputs`` (0-d tensors aside).
+    """Return ``B``: every tensor of ``inputs`` has ``B`` (or 1: shared by the batch) in dim 0.
 
-    Raises ``ValueError`` naming the first tensor (path and shape) that disagrees.
+    0-d tensors and non-tensors are ignored. Raises ``ValueError`` naming the first tensor
+    (path and shape) that disagrees.
     """
     leaves = [(p, t) for p, t in _tensor_leaves(inputs, "inputs", []) if t.dim() > 0]
     if not leaves:
         raise ValueError(f"{where}: inputs must hold at least one tensor with the batch in "
                          f"dim 0, got {type(inputs).__name__} without one")
     first, t0 = leaves[0]
+    for path, t in leaves[1:]:  # the first of the largest dim 0 (no max(key=): Dynamo)
+        if t.shape[0] > t0.shape[0]:
+            first, t0 = path, t
     batch = t0.shape[0]
-    for path, t in leaves[1:]:
-        if t.shape[0] != batch:
+    for path, t in leaves:
+        if t.shape[0] not in (batch, 1):
             raise ValueError(
                 f"{where}: {path} has shape {tuple(t.shape)}, but {first} has batch size "
                 f"{batch} in dim 0 (shape {tuple(t0.shape)}); every tensor of inputs must "
-                "have the batch in dim 0. Expand a tensor shared by the batch to it "
-                "(t.expand(B, ...)) or build it inside the model"
+                "have the batch in dim 0 (or 1 for a tensor shared by the batch, which the "
+                "model then broadcasts)"
             )
     return batch
 
@@ -153,7 +173,8 @@ class GhostModel:
     ``inputs`` of :meth:`per_sample` (and of :func:`ghost_grad_norms`,
     :func:`check_ghost_coverage`, the DP step) is one tensor or tuple, passed as the single
     positional argument, or a dict of batched tensors, passed as keywords
-    (``module(**inputs)``, HF style); every tensor in it has the batch in dim 0.
+    (``module(**inputs)``, HF style); every tensor in it has the batch in dim 0 (or 1: a
+    tensor shared by the batch).
 
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
     "embedding" | "norm" | "attention" | "recurrent" | "fallback" | "direct"}``),
@@ -210,13 +231,24 @@ class GhostModel:
         tape = self._tape
         tape.reset()
         tape.mode, tape.batch = "shape", batch_size_of(inputs, "GhostModel.per_sample")
+
+        def shape_pass(dummy: Tensor) -> Tensor:
+            # under grad, with a zero added to every tapped output like the probes: code that
+            # branches on grad mode (torch's fused TransformerEncoder inference path reads its
+            # layers' weights without calling them) takes the recording pass's branch
+            tape.dummy = dummy
+            call_model(self._model_fn, params, buffers, inputs)
+            return dummy
+
+        like = next(iter(params.values()), None)
+        dummy = (torch.zeros(()) if like is None
+                 else torch.zeros((), dtype=like.dtype, device=like.device))
         try:
-            with torch.no_grad(), _no_mha_fastpath():
-                if compiling:
-                    call_model(self._model_fn, params, buffers, inputs)
-                else:  # a real forward: keep the random streams as they were
-                    with torch.random.fork_rng(devices=_cuda_devices(params)):
-                        call_model(self._model_fn, params, buffers, inputs)
+            if compiling:  # traced, then dead code
+                torch.func.grad(shape_pass)(dummy)
+            else:  # a real forward: keep the random streams as they were
+                with torch.random.fork_rng(devices=_cuda_devices(params)):
+                    torch.func.grad(shape_pass)(dummy)
             shapes = tape.shapes
         finally:
             tape.reset()
@@ -289,8 +321,17 @@ class GhostModel:
                 saved[name] = tensors_of(cs, [])
             return losses.sum(), (losses, outputs, new_buffers, saved)
 
-        grads, (losses, outputs, new_buffers, saved) = torch.func.grad(
-            objective, has_aux=True)(probes)
+        try:
+            grads, (losses, outputs, new_buffers, saved) = torch.func.grad(
+                objective, has_aux=True)(probes)
+        except RuntimeError as e:
+            if "Expected tensors, got unsupported type" not in str(e):
+                raise
+            raise ValueError(
+                "GhostModel.per_sample: the model's outputs hold an object that is neither a "
+                f"tensor nor a pytree of tensors ({e}); return tensors (HF models: pass "
+                "use_cache=False in inputs or the config, so no cache object is returned)"
+            ) from e
         prepared: dict[str, Prepared] = {}
         for name, tensors in saved.items():
             calls: Calls = fill_slots(static[name], iter(tensors))
@@ -320,25 +361,6 @@ def _cuda_devices(params: Mapping[str, Tensor]) -> list[int]:
     return sorted({t.device.index or 0 for t in params.values() if t.device.type == "cuda"})
 
 
-class _no_mha_fastpath:
-    """Switch off torch's fused TransformerEncoder/MultiheadAttention inference path.
-
-    The shape pass runs without gradients, where an eval-mode ``nn.TransformerEncoder`` would
-    take a fused kernel that reads its layers' weights without calling them (so their taps
-    would not see the call that the recording pass, with gradients, makes).
-    """
-
-    def __enter__(self) -> None:
-        self._was = None
-        if not torch.compiler.is_compiling():  # Dynamo skips the setter (a global flag)
-            self._was = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._was is not None:
-            torch.backends.mha.set_fastpath_enabled(self._was)
-
-
 def _direct_params(m: nn.Module) -> list[tuple[str, Tensor]]:
     return [(k, p) for k, p in m._parameters.items() if p is not None]
 
@@ -363,10 +385,15 @@ def make_ghost_model(
     transform-safe twins (:func:`torchfn.functional.replace_recurrent`; same keys) and get an
     exact rule too: each weight is a linear map applied at every step, whose per-sample
     gradient is a sum over time of outer products (inter-layer dropout in training mode is
-    refused: the rule recomputes the layer). Every other module that owns
-    parameters directly becomes one layer handled by the vmap fallback, together with all its
-    submodules (e.g. ``nn.MultiheadAttention(add_bias_kv=True)``).
-    ``fallback_chunk_size`` bounds how many samples the fallback maps over at once.
+    refused: the rule recomputes the layer). Another module that owns parameters directly
+    becomes one layer handled by the vmap fallback, together with all its submodules
+    (``"fallback"``), when it has no parameterised children, when it reads its children's
+    weights itself (e.g. ``nn.MultiheadAttention(add_bias_kv=True)``) or when parameters are
+    tied inside it; otherwise only its direct parameters form a layer (``"direct"``: a
+    per-sample vjp of its own forward, e.g. a ViT root's ``pos_embed``), and its children are
+    layers of their own, ghost where they have rules. Modules without direct parameters are
+    looked through. ``fallback_chunk_size`` bounds how many samples the fallback and direct
+    layers map over at once.
     ``conv_method`` picks how conv layers get their per-sample gradients: ``"unfold"`` (patches,
     then the linear-layer forms; the default, faster on the benchmark CNN) or ``"grouped"``
     (weight-gradient convolutions with the batch folded into the groups: no ``k x k``-times
@@ -389,6 +416,14 @@ def make_ghost_model(
         >>> ghost, params, buffers = make_ghost_model(net)
         >>> ghost.layer_kinds
         {'0': 'conv', '2': 'linear'}
+        >>> class WithPos(nn.Module):  # owns pos itself: a "direct" layer beside the linear
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.pos, self.lin = nn.Parameter(torch.zeros(1, 3, 4)), nn.Linear(4, 2)
+        ...     def forward(self, x):
+        ...         return self.lin(x + self.pos)
+        >>> make_ghost_model(WithPos())[0].layer_kinds
+        {'lin': 'linear', '': 'direct'}
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"make_ghost_model(module): expected an nn.Module, got "
@@ -417,7 +452,7 @@ def make_ghost_model(
         rule.check(m, name)
         refuse_batchnorm_training(m, name)
         named = _dedup(_direct_params(m)) if direct else list(m.named_parameters())
-        # [ghostrules] parameters tied across layers are allowed: GhostGrads sums their uses
+        # parameters tied across layers are allowed: GhostGrads sums their uses
         # and adds the cross terms to the norms (torchfn.persample._ghost_tied)
         trainable = [p.requires_grad for _, p in named]
         if not any(trainable):
@@ -469,7 +504,8 @@ def ghost_grad_norms(
 
     The L2 norm of each sample's gradient over all parameters, from ghost norms (no
     per-sample gradient of a linear/conv/embedding layer is formed). ``loss_fn(outputs,
-    targets)`` returns the ``(B,)`` per-sample losses. ``per_layer=True`` returns
+    targets)`` returns the ``(B,)`` per-sample losses; ``inputs`` is a tensor, a tuple or a
+    dict of keyword inputs (see :meth:`GhostModel.per_sample`). ``per_layer=True`` returns
     ``{layer_name: (B,)}`` norms instead. Works under ``torch.compile(fullgraph=True)``.
 
     Example::

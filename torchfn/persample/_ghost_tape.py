@@ -88,6 +88,7 @@ class Tape:
     def __init__(self) -> None:
         self.mode: str | None = None  # None (plain forward), "shape" or "record"
         self.batch: int | None = None  # B of the pass (expands calls shared by the batch)
+        self.dummy: Tensor | None = None  # shape pass: a 0-d zero added to tapped outputs
         self.shapes: dict[str, list[list[tuple[torch.Size, torch.dtype, torch.device]]]] = {}
         self.probes: dict[str, list[list[Tensor]]] = {}
         self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
@@ -97,7 +98,7 @@ class Tape:
 
     def reset(self) -> None:
         self.mode, self.shapes, self.probes, self.calls = None, {}, {}, {}
-        self.batch = None
+        self.batch, self.dummy = None, None
 
 
 def _is_float(t: Any) -> bool:
@@ -162,7 +163,10 @@ class Tap(nn.Module):
             tape.shapes[name].append([
                 (torch.Size((batch, *t.shape[1:])) if _shared(t, batch) else t.shape, t.dtype,
                  t.device) for t in leaves if _is_float(t)])
-            return out
+            dummy = tape.dummy
+            if dummy is None:
+                return out
+            return fill_slots(out, iter([t + dummy if _is_float(t) else t for t in leaves]))
         if name not in tape.calls:
             tape.calls[name] = []
         k = len(tape.calls[name])
@@ -200,8 +204,8 @@ class Tap(nn.Module):
 
 
 def input_signature(params: Mapping[str, Tensor], inputs: Any, training: bool) -> Any:
-    leaves = optree.tree_leaves(inputs)
-    sig: list[Any] = [training]
+    leaves, spec = optree.tree_flatten(inputs)
+    sig: list[Any] = [training, spec]  # spec: the structure, with dict keys (keyword names)
     for t in leaves:
         if isinstance(t, Tensor):
             sig.append((tuple(t.shape), t.dtype, t.device))
