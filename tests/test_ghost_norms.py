@@ -304,7 +304,7 @@ def test_root_owning_parameters_keeps_its_children_ghost() -> None:
     torch.manual_seed(5)
     net = WithPos()
     ghost, _, _ = make_ghost_model(net)
-    assert ghost.layer_kinds == {"emb": "embedding", "mha": "fallback", "ln1": "norm",
+    assert ghost.layer_kinds == {"emb": "embedding", "mha": "attention", "ln1": "norm",
                                  "qkv": "linear", "proj": "linear", "ln2": "norm",
                                  "head": "linear", "": "direct"}
     assert ghost.layer_params[""] == ("pos",)

@@ -517,9 +517,6 @@ def test_dp_per_layer_clipping_counts_a_tied_group_once() -> None:
         torch.testing.assert_close(got[k], expect[k], **TOL, msg=k)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="_ghost_tape.Tap does not forward attribute reads (self_attn."
-                   "batch_first) to its layer; TransformerEncoderLayer reads them in eval mode")
 def test_multihead_attention_in_encoder_layer_eval_mode() -> None:
     """Eval mode: torch's fused encoder fast path must not bypass the ghost layers."""
     torch.manual_seed(0)

@@ -170,7 +170,7 @@ def test_transformer_decoder_matches_loop() -> None:
     torch.manual_seed(1)
     ids, y = _ids(2)
     ghost, *_ = assert_matches_loop(EncDec().to(F64), ids, y)
-    assert ghost.layer_kinds["tr.decoder.layers.0.multihead_attn"] == "fallback"
+    assert ghost.layer_kinds["tr.decoder.layers.0.multihead_attn"] == "attention"
 
 
 def test_tap_forwards_attributes_but_not_dunders_and_copies() -> None:

@@ -154,6 +154,21 @@ def batch_size_of(inputs: Any, where: str) -> int:
     return batch
 
 
+def lift_inputs(inputs: Any, zero: Tensor) -> Any:
+    """``inputs`` with a differentiated 0-d ``zero`` added to every floating tensor.
+
+    Same numbers; it makes the inputs depend on what the ghost passes differentiate, so code
+    that branches on ``requires_grad`` (torch's fused ``nn.TransformerEncoderLayer`` inference
+    path reads its layers' weights without calling them when no input needs a gradient) takes
+    the branch that calls every tapped layer.
+    """
+    leaves = tensors_of(inputs, [])
+    if not any(t.is_floating_point() for t in leaves):
+        return inputs
+    lifted = [t + zero.to(t.dtype) if t.is_floating_point() else t for t in leaves]
+    return fill_slots(template_of(inputs), iter(lifted))
+
+
 def call_model(model_fn: Callable[..., Any], params: Mapping[str, Tensor],
                buffers: Mapping[str, Tensor], inputs: Any) -> tuple[Any, TensorDict]:
     """``model_fn(params, buffers, **inputs)`` for a dict of inputs, else ``(..., inputs)``."""
@@ -237,7 +252,7 @@ class GhostModel:
             # branches on grad mode (torch's fused TransformerEncoder inference path reads its
             # layers' weights without calling them) takes the recording pass's branch
             tape.dummy = dummy
-            call_model(self._model_fn, params, buffers, inputs)
+            call_model(self._model_fn, params, buffers, lift_inputs(inputs, dummy))
             return dummy
 
         like = next(iter(params.values()), None)
@@ -293,11 +308,18 @@ class GhostModel:
         tape = self._tape
         static: dict[str, Any] = {}
 
-        def objective(probes: dict[str, list[list[Tensor]]]) -> tuple[Tensor, Any]:
+        like = next(iter(params.values()), None)
+        lift = (torch.zeros(()) if like is None
+                else torch.zeros((), dtype=like.dtype, device=like.device))
+
+        def objective(probes_and_lift: tuple[dict[str, list[list[Tensor]]], Tensor]
+                      ) -> tuple[Tensor, Any]:
+            probes, lift = probes_and_lift
             tape.reset()
             tape.mode, tape.probes, tape.batch = "record", probes, batch
             try:
-                outputs, new_buffers = call_model(self._model_fn, params, buffers, inputs)
+                outputs, new_buffers = call_model(self._model_fn, params, buffers,
+                                                  lift_inputs(inputs, lift))
                 calls = tape.calls
             finally:
                 tape.reset()
@@ -322,8 +344,8 @@ class GhostModel:
             return losses.sum(), (losses, outputs, new_buffers, saved)
 
         try:
-            grads, (losses, outputs, new_buffers, saved) = torch.func.grad(
-                objective, has_aux=True)(probes)
+            (grads, _), (losses, outputs, new_buffers, saved) = torch.func.grad(
+                objective, has_aux=True)((probes, lift))
         except RuntimeError as e:
             if "Expected tensors, got unsupported type" not in str(e):
                 raise
