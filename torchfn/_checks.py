@@ -216,13 +216,37 @@ def _is_torch_checkpoint_error(exc: BaseException) -> bool:
         return True
     if _SETUP_CONTEXT_TEXT not in text:
         return False
+    return _on_traceback(exc, "torch/utils/checkpoint.py")
+
+
+# vmap refusing a data-dependent check (.item(), `if tensor:`), here inside transformers' mask
+# creation (`padding_mask.all()` in masking_utils) when the 2D attention mask is per-sample
+_VMAP_ITEM_TEXT = "vmap: It looks like you're either (1) calling .item() on a Tensor"
+
+
+def _on_traceback(exc: BaseException, suffix: str) -> bool:
     tb = exc.__traceback__
     while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
-        if filename.endswith("torch/utils/checkpoint.py"):
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(suffix):
             return True
         tb = tb.tb_next
     return False
+
+
+def _is_hf_mask_vmap_error(exc: BaseException) -> bool:
+    """Return True if ``exc`` is vmap refusing transformers' data-dependent mask check."""
+    return _VMAP_ITEM_TEXT in str(exc) and _on_traceback(exc, "transformers/masking_utils.py")
+
+
+def _hf_mask_message(where: str, exc: BaseException) -> str:
+    return (
+        f"{where}: the Hugging Face model builds its attention mask with a data-dependent check "
+        "(`padding_mask.all()` in transformers/masking_utils.py), which vmap cannot run on a "
+        "mask that differs per sample, task or member. Pass the mask in 4D additive form, which "
+        "transformers uses as given: attention_mask = (1.0 - mask[..., None, None, :].to(dtype)) "
+        "* torch.finfo(dtype).min (shape (B, 1, 1, L); dtype the model's float dtype) -- the same "
+        f"numbers as the 2D 0/1 mask. (torch: {str(exc)[:120]}...)"
+    )
 
 
 def _randomness_message(where: str, exc: BaseException) -> str:
@@ -247,7 +271,8 @@ def _checkpoint_message(where: str, exc: BaseException) -> str:
 
 def _translate_model_error(exc: BaseException, where: str) -> BaseException | None:
     """Return a clearer error for a raw torch error a model raised inside a torch.func
-    transform (dropout under randomness='error', torch's activation checkpointing), or None.
+    transform (dropout under randomness='error', torch's activation checkpointing, transformers'
+    data-dependent attention-mask check under vmap), or None.
 
     Entry points use it as ``except RuntimeError as e: new = _translate_model_error(e, where);
     if new is not None: raise new from e; raise``.
@@ -256,4 +281,6 @@ def _translate_model_error(exc: BaseException, where: str) -> BaseException | No
         return RuntimeError(_randomness_message(where, exc))
     if _is_torch_checkpoint_error(exc):
         return RuntimeError(_checkpoint_message(where, exc))
+    if _is_hf_mask_vmap_error(exc):
+        return RuntimeError(_hf_mask_message(where, exc))
     return None

@@ -22,6 +22,7 @@ from torchfn.functional._pytree import tree_ravel as tree_ravel
 from torchfn.functional._pytree import tree_scalar_mul as tree_scalar_mul
 from torchfn.functional._pytree import tree_sub as tree_sub
 from torchfn.functional._pytree import tree_zeros_like as tree_zeros_like
+from torchfn.functional._remat import checkpoint as checkpoint
 from torchfn.functional._stateless import FunctionalModel as FunctionalModel
 from torchfn.functional._stateless import make_functional as make_functional
 from torchfn.functional._train_step import DynamicLossScaler as DynamicLossScaler
@@ -48,6 +49,7 @@ __all__ = [
     "TrainState",
     "apply_gradients",
     "check_optimizer",
+    "checkpoint",
     "empirical_ntk",
     "functional_batch_norm",
     "hessian_diagonal",
