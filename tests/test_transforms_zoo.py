@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from torch.func import grad, vmap
+from torch.func import grad
+from torchopt import sgd
 
 from torchfn.functional import (
     checkpoint,
@@ -19,7 +20,6 @@ from torchfn.functional import (
     per_sample_grads,
     single_sample_fn,
 )
-from torchopt import sgd
 
 D = torch.float64
 _PERF = "ignore:There is a performance drop:UserWarning"  # fused SDPA has no vmap rule on CPU

@@ -24,10 +24,9 @@ composite ops differentiate twice; first-order MAML and Reptile keep the fused k
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
-
-import contextlib
 
 import optree
 import torch
