@@ -16,10 +16,11 @@ Tasks are vmapped (task dim 0); ``chunk_size`` splits them into chunks whose gra
 summed one after another, so the memory of the backward is that of one chunk. ``randomness``
 is that task ``vmap``'s (dropout in training mode needs ``"different"`` or ``"same"``).
 
-Attention: torch's fused ``scaled_dot_product_attention`` kernels (flash, memory-efficient,
-and the CPU flash kernel) have no double backward, so the second-order variants (MAML, ANIL,
-Meta-SGD) run their inner loop and meta-gradient under ``sdpa_kernel(SDPBackend.MATH)``, whose
-composite ops differentiate twice; first-order MAML and Reptile keep the fused kernels.
+Second order: torch's fused ``scaled_dot_product_attention`` kernels have no double backward,
+and ``layer_norm`` gives wrong gradients inside ``grad(vmap(grad(...)))``, so the second-order
+variants (MAML, ANIL, Meta-SGD) run their inner loop and meta-gradient with the math attention
+kernel and a composite layer norm (``_second_order.py`` says why); first-order MAML and Reptile
+keep the fused kernels.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import torch
 import torchopt
 from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _check_randomness, _translate_model_error
+from torchfn.meta._second_order import second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
 __all__ = ["LR_PREFIX", "MetaLearner", "anil", "fomaml", "maml", "meta_sgd", "reptile"]
@@ -136,10 +137,10 @@ class MetaLearner:
                 f"{extra})")
 
     def _attention_backend(self) -> contextlib.AbstractContextManager[None]:
-        """Second order: the math SDPA backend (fused kernels have no double backward)."""
+        """Second order: the math SDPA backend and a composite layer norm (_second_order.py)."""
         if self.first_order:
             return contextlib.nullcontext()
-        return sdpa_kernel(SDPBackend.MATH)
+        return second_order_context()
 
     def _task_vmap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return vmap(fn, in_dims=(None, None, 0), randomness=self.randomness)
@@ -198,9 +199,10 @@ class MetaLearner:
         ``fast_params`` has every model param (those not adapted are the meta-params
         themselves); it is differentiable w.r.t. ``meta_params`` (second order unless
         first-order). One task: ``support_x (K, ...)`` (or a dict of such tensors); ``vmap``
-        it for a task batch. Called on its own, second-order attention models need
-        ``sdpa_kernel(SDPBackend.MATH)`` around it and the outer gradient (:meth:`meta_grad`
-        does that itself).
+        it for a task batch. :meth:`meta_grad` and :meth:`meta_loss` run it with the math
+        attention kernel and a composite layer norm in second order (module docstring); an
+        outer ``grad`` of your own around a ``vmap`` of it needs the same for attention or
+        LayerNorm models.
 
         Example:
             >>> import torch.nn.functional as F
