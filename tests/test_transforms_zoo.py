@@ -318,3 +318,39 @@ def test_bert_ensemble_step_with_a_shared_2d_mask_matches_separate_models():
             expected = p.detach() - 0.5 * (torch.zeros_like(p) if g is None else g)
             torch.testing.assert_close(new_state.params[name][n], expected, rtol=1e-10,
                                        atol=1e-10, msg=name)
+
+
+@pytest.mark.filterwarnings(_PERF)
+def test_bert_ensembles_with_per_member_masks_name_the_workaround():
+    from torchfn.ensembles import (
+        Ensemble,
+        ensemble_apply,
+        init_ensemble_state,
+        make_ensemble_train_step,
+    )
+
+    models = _tiny_bert(2)
+    ens = Ensemble.from_modules(models)
+
+    def hf_fn(p, b, inputs):
+        out, new_b = ens.model_fn(p, b, **inputs)
+        return out.logits, new_b
+
+    ids, mask, y = _bert_batch()
+    per_member = {"input_ids": torch.stack([ids, ids.flip(0)]),
+                  "attention_mask": torch.stack([mask, mask.flip(0)])}
+    hint = r"the Hugging Face model builds its attention mask.*4D additive form"
+    with pytest.raises(RuntimeError, match=r"ensemble_apply\(.*\): " + hint):
+        ensemble_apply(hf_fn, ens.params, ens.buffers, per_member, per_member=True)
+    opt = sgd(0.5)
+    step = make_ensemble_train_step(hf_fn, F.cross_entropy, opt)
+    state = init_ensemble_state(ens, opt, seed=0)
+    with pytest.raises(RuntimeError, match=r"ensemble train step\(state, batch\): " + hint):
+        step(state, (per_member, torch.stack([y, y.flip(0)])))
+    # the workaround, per member, against each model's own forward with its 2D mask
+    fixed = {**per_member, "attention_mask": additive_mask(per_member["attention_mask"], D)}
+    out, _ = ensemble_apply(hf_fn, ens.params, ens.buffers, fixed, per_member=True)
+    for n, model in enumerate(models):
+        ref = model(input_ids=per_member["input_ids"][n],
+                    attention_mask=per_member["attention_mask"][n]).logits
+        torch.testing.assert_close(out[n], ref.detach(), rtol=1e-10, atol=1e-10)

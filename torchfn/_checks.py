@@ -219,9 +219,11 @@ def _is_torch_checkpoint_error(exc: BaseException) -> bool:
     return _on_traceback(exc, "torch/utils/checkpoint.py")
 
 
-# vmap refusing a data-dependent check (.item(), `if tensor:`), here inside transformers' mask
-# creation (`padding_mask.all()` in masking_utils) when the 2D attention mask is per-sample
-_VMAP_ITEM_TEXT = "vmap: It looks like you're either (1) calling .item() on a Tensor"
+# vmap refusing a data-dependent check, here inside transformers' mask creation
+# (`padding_mask.all()` in masking_utils) when the 2D attention mask is per-sample. torch words
+# it "vmap: It looks like you're either (1) calling .item() on a Tensor ..." or "vmap: It looks
+# like you're attempting to use a Tensor in some data-dependent control flow ..." by the path.
+_VMAP_ITEM_TEXT = "vmap: It looks like you're"
 
 
 def _on_traceback(exc: BaseException, suffix: str) -> bool:
@@ -274,8 +276,7 @@ def _translate_model_error(exc: BaseException, where: str) -> BaseException | No
     transform (dropout under randomness='error', torch's activation checkpointing, transformers'
     data-dependent attention-mask check under vmap), or None.
 
-    Entry points use it as ``except RuntimeError as e: new = _translate_model_error(e, where);
-    if new is not None: raise new from e; raise``.
+    Entry points call the model through :func:`_call_translated`, which applies it.
     """
     if _is_vmap_randomness_error(exc):
         return RuntimeError(_randomness_message(where, exc))
@@ -284,3 +285,18 @@ def _translate_model_error(exc: BaseException, where: str) -> BaseException | No
     if _is_hf_mask_vmap_error(exc):
         return RuntimeError(_hf_mask_message(where, exc))
     return None
+
+
+def _call_translated(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Return ``fn(*args, **kwargs)``; re-raise a raw torch error that
+    :func:`_translate_model_error` recognises as the clearer error (the raw one chained as
+    its cause). Under ``torch.compile`` it only calls ``fn`` (no try block to trace)."""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        new = _translate_model_error(e, where)
+        if new is None:
+            raise
+        raise new from e

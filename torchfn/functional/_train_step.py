@@ -28,7 +28,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import _translate_model_error
+from torchfn._checks import _call_translated
 from torchfn.functional._core import (
     DynamicLossScaler,
     LossScaleState,
@@ -352,7 +352,7 @@ def make_train_step(
         losses = []
         with ctx:
             for x, y in micro_batches:
-                g, loss, buffers = _run_translated(
+                g, loss, buffers = _call_translated(
                     "train step", micro_step, state.params, names, buffers, x, y, scale)
                 grads = g if grads is None else optree.tree_map(torch.add, grads, g)
                 losses.append(loss)
@@ -367,16 +367,3 @@ def make_train_step(
 
     return step
 
-
-def _run_translated(where: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call ``fn(*args)``; a raw torch error from the model inside ``torch.func.grad`` (torch's
-    activation checkpointing) becomes one that names torchfn.functional.checkpoint."""
-    if torch.compiler.is_compiling():
-        return fn(*args)
-    try:
-        return fn(*args)
-    except RuntimeError as e:
-        new = _translate_model_error(e, where)
-        if new is not None:
-            raise new from e
-        raise

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
-from torchfn._checks import _check_randomness, _translate_model_error
+from torchfn._checks import _call_translated, _check_randomness
 from torchfn.functional._batchnorm import BatchNorm
 from torchfn.functional._pytree import (
     _check_same_structure,
@@ -185,20 +185,6 @@ def _leaf_dims(fn_name: str, where: str, arg: Any, dims: Any) -> list[tuple[Any,
     return list(zip(paths, leaves, flat, strict=True))
 
 
-def _run_mapped(fn_name: str, call: Callable[[], Any]) -> Any:
-    """Run ``call()``; a raw torch error from the model inside the transforms (dropout under
-    randomness='error', torch's checkpoint) becomes one that names the fix."""
-    if torch.compiler.is_compiling():
-        return call()
-    try:
-        return call()
-    except RuntimeError as e:
-        new = _translate_model_error(e, fn_name)
-        if new is not None:
-            raise new from e
-        raise
-
-
 # ---------------------------------------------------------------------------------------------
 # per-sample gradients
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +315,7 @@ def per_sample_grads(
         dims = _resolve_in_dims("per_sample_grads", nums, in_dims, len(args))
         _check_batch_sizes("per_sample_grads", args, dims)
         mapped = vmap(grad_fn, in_dims=dims, chunk_size=chunk_size, randomness=randomness)
-        return _run_mapped("per_sample_grads", lambda: mapped(*args, **kwargs))
+        return _call_translated("per_sample_grads", mapped, *args, **kwargs)
 
     return batched_grads
 
@@ -375,7 +361,7 @@ def per_sample_grad_norms(
         dims = _resolve_in_dims("per_sample_grad_norms", nums, in_dims, len(args))
         _check_batch_sizes("per_sample_grad_norms", args, dims)
         mapped = vmap(norm_of_grad, in_dims=dims, chunk_size=chunk_size, randomness=randomness)
-        return _run_mapped("per_sample_grad_norms", lambda: mapped(*args, **kwargs))
+        return _call_translated("per_sample_grad_norms", mapped, *args, **kwargs)
 
     return batched_norms
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _check_randomness, _translate_model_error
+from torchfn._checks import _call_translated, _check_randomness
 from torchfn.meta._second_order import second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
@@ -290,7 +290,7 @@ class MetaLearner:
                     bufs.append(buf_t)
             return torch.cat(losses).mean(), _mean_buffers(bufs, buffers)
 
-        return _run_translated(where, run)
+        return _call_translated(where, run)
 
     def meta_grad(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
@@ -321,8 +321,8 @@ class MetaLearner:
         where = "MetaLearner.meta_grad(meta_params, buffers, tasks)"
         check_task_batch(tasks, where)
         with self._attention_backend():
-            return _run_translated(where, lambda: self._meta_grad(meta_params, buffers, tasks,
-                                                                  wrt, loss_scale))
+            return _call_translated(where, self._meta_grad, meta_params, buffers, tasks, wrt,
+                                    loss_scale)
 
     def _meta_grad(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
@@ -363,20 +363,6 @@ class MetaLearner:
         grads = {k: total[k] / n if k in total else torch.zeros_like(meta_params[k])
                  for k in names}
         return grads, loss_sum / n, _mean_buffers(bufs, buffers)
-
-
-def _run_translated(where: str, call: Callable[[], Any]) -> Any:
-    """Run ``call()``; raw torch errors a model raises inside the task vmap (dropout under
-    randomness='error', torch's checkpoint) become errors that name the fix."""
-    if torch.compiler.is_compiling():
-        return call()
-    try:
-        return call()
-    except RuntimeError as e:
-        new = _translate_model_error(e, where)
-        if new is not None:
-            raise new from e
-        raise
 
 
 def _mean_buffers(chunks: list[Mapping[str, Tensor]], buffers: Mapping[str, Tensor]) -> TensorDict:
