@@ -220,7 +220,13 @@ def single_sample_fn(
     leaf of ``sample_args`` (``x -> x[None]``), calls ``model_fn`` with the given (closed-over)
     ``buffers``, drops the batch dim from every output leaf and discards ``new_buffers``.
     ``kwargs`` pass through unchanged. Use it to build the one-sample functions that
-    :func:`per_sample_grads` and :func:`empirical_ntk` expect.
+    :func:`per_sample_grads` and :func:`empirical_ntk` expect. A dict (any pytree) sample
+    argument gets the batch dim on every leaf, so Hugging Face style inputs work through a
+    ``model_fn`` that unpacks them: ``lambda p, b, inputs: model_fn(p, b, **inputs)`` with
+    ``inputs = {"input_ids": (L,), "attention_mask": ...}`` per sample. Under ``vmap`` a
+    per-sample 2D ``attention_mask`` meets a data-dependent check in transformers' mask code;
+    pass it as a 4D additive mask ``(1 - mask[..., None, None, :]) * finfo(dtype).min`` (the
+    error says so).
 
     A model whose forward mixes samples (BatchNorm in training mode) has no per-sample meaning:
     for a ``FunctionalModel`` with a batch norm in training mode (or without running statistics)

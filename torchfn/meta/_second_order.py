@@ -8,7 +8,7 @@ differentiated twice, with the task ``vmap`` in between. Two of torch's kernels 
   flash kernel) have no double backward ("derivative for ..._backward is not implemented");
   ``sdpa_kernel(SDPBackend.MATH)`` selects the composite math path, which has one;
 - ``layer_norm`` with a weight returns silently wrong gradients for everything before it in
-  exactly this nesting (``grad(vmap(grad(...)))``; torch 2.11-2.13, CPU and CUDA), while the
+  exactly this nesting (``grad(vmap(grad(...)))``; measured on torch 2.13), while the
   same computation without the ``vmap``, or as ``vmap(grad(grad(...)))``, is right. A
   ``TorchFunctionMode`` computes ``F.layer_norm`` / ``torch.layer_norm`` from mean, variance
   and ``rsqrt`` instead, which differentiates correctly at any order.
