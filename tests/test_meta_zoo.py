@@ -312,3 +312,32 @@ def test_maml_second_order_on_cuda_attention_in_float32_matches_the_loop():
     with sdpa_kernel(SDPBackend.MATH):
         ref, _ = _reference(model_fn, F.mse_loss, params, buffers, tasks)
     _close(got, ref, tol=1e-4)
+
+
+def test_meta_train_step_with_dict_tasks_and_accumulation_equals_one_meta_grad():
+    from torchopt import sgd
+
+    from torchfn.meta import init_meta_state, make_meta_train_step
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    model_fn, params, buffers = make_functional(net)
+
+    def dict_fn(p, b, x):  # x: {"a": (K, 3), "scale": (K, 1)}
+        out, new_b = model_fn(p, b, x["a"])
+        return out * x["scale"], new_b
+
+    g = torch.Generator().manual_seed(1)
+
+    def x(n):
+        return {"a": torch.randn(4, n, 3, generator=g, dtype=D),
+                "scale": torch.rand(4, n, 1, generator=g, dtype=D) + 0.5}
+
+    tasks = Task(x(3), torch.randn(4, 3, 2, generator=g, dtype=D), x(2),
+                 torch.randn(4, 2, 2, generator=g, dtype=D))
+    learner = maml(dict_fn, F.mse_loss, inner_lr=LR)
+    opt = sgd(0.1)
+    state = init_meta_state(learner, params, buffers, opt)
+    new_state, _ = make_meta_train_step(learner, opt, grad_accum_steps=2)(state, tasks)
+    ref, _ = _reference(dict_fn, F.mse_loss, params, buffers, tasks)
+    _close(new_state.params, {k: params[k] - 0.1 * ref[k] for k in params})

@@ -354,3 +354,23 @@ def test_bert_ensembles_with_per_member_masks_name_the_workaround():
         ref = model(input_ids=per_member["input_ids"][n],
                     attention_mask=per_member["attention_mask"][n]).logits
         torch.testing.assert_close(out[n], ref.detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_dict_inputs_with_pytree_in_dims_compiled_equal_eager_and_the_loop():
+    torch.manual_seed(0)
+    w = {"W": torch.randn(2, 3, dtype=D), "V": torch.randn(2, 4, dtype=D)}
+
+    def loss(p, inputs, y):  # one sample: inputs["a"] (3,), inputs["b"] (4,), shared "s" (2,)
+        out = torch.tanh(p["W"] @ inputs["a"] + p["V"] @ inputs["b"]) * inputs["s"]
+        return ((out - y) ** 2).sum()
+
+    inputs = {"a": torch.randn(5, 3, dtype=D), "b": torch.randn(5, 4, dtype=D),
+              "s": torch.randn(2, dtype=D)}
+    y = torch.randn(5, 2, dtype=D)
+    fn = per_sample_grads(loss, in_dims=(None, {"a": 0, "b": 0, "s": None}, 0))
+    eager = fn(w, inputs, y)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(w, inputs, y)
+    _close(compiled, eager)
+    for i in range(5):
+        one = {"a": inputs["a"][i], "b": inputs["b"][i], "s": inputs["s"]}
+        _close({k: v[i] for k, v in eager.items()}, grad(loss)(w, one, y[i]))
