@@ -341,3 +341,23 @@ def test_meta_train_step_with_dict_tasks_and_accumulation_equals_one_meta_grad()
     new_state, _ = make_meta_train_step(learner, opt, grad_accum_steps=2)(state, tasks)
     ref, _ = _reference(dict_fn, F.mse_loss, params, buffers, tasks)
     _close(new_state.params, {k: params[k] - 0.1 * ref[k] for k in params})
+
+
+def test_meta_train_step_seeds_dropout_from_state_so_steps_repeat():
+    from torchopt import sgd
+
+    from torchfn.meta import init_meta_state, make_meta_train_step
+
+    model_fn, params, buffers, tasks = _dropout_setup()
+    learner = maml(model_fn, F.mse_loss, inner_lr=LR, randomness="different")
+    opt = sgd(0.1)
+    state = init_meta_state(learner, params, buffers, opt, seed=4)
+    step = make_meta_train_step(learner, opt)
+    torch.manual_seed(0)
+    a, ma = step(state, tasks)
+    torch.manual_seed(1)  # the global stream does not matter: the state seeds the step
+    b, _ = step(state, tasks)
+    _close(a.params, b.params, tol=0.0)
+    other = init_meta_state(learner, params, buffers, opt, seed=5)
+    _, mc = step(other, tasks)
+    assert not torch.equal(ma["loss"], mc["loss"])  # another seed, other masks
