@@ -171,3 +171,132 @@ def _moved_getattr(module: str, moved: Mapping[str, str]) -> Any:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+# -- errors that models raise inside torch.func transforms ----------------------------------------
+# torchfn's entry points that run a user's model under vmap/grad (per-sample gradients, the meta
+# learners, the train steps, DP/ghost) turn these raw torch errors into messages that name the
+# torchfn keyword or function that fixes them. Match on the exception text: torch raises plain
+# RuntimeErrors (under torch.compile wrapped in other types with the same text).
+
+_RANDOMNESS = ("error", "different", "same")
+
+# vmap(randomness="error") meeting a random op (dropout in training mode)
+_VMAP_RANDOMNESS_TEXT = "called random operation while in randomness error mode"
+# torch.utils.checkpoint(use_reentrant=False) under torch.func.grad/vjp
+_SAVED_HOOKS_TEXT = "don't yet support saved tensor hooks"
+# torch.utils.checkpoint(use_reentrant=True): an old-style autograd.Function under any transform
+_SETUP_CONTEXT_TEXT = "it must override the setup_context staticmethod"
+
+
+def _check_randomness(randomness: object, where: str) -> str:
+    """Return ``randomness`` if it is one of vmap's modes, else raise naming the call."""
+    if randomness not in _RANDOMNESS:
+        raise ValueError(f"{where}: randomness must be one of {_RANDOMNESS}, got {randomness!r}")
+    return str(randomness)
+
+
+def _is_vmap_randomness_error(exc: BaseException) -> bool:
+    """Return True if ``exc`` is vmap's refusal of a random op under ``randomness="error"``."""
+    return _VMAP_RANDOMNESS_TEXT in str(exc)
+
+
+def _is_torch_checkpoint_error(exc: BaseException) -> bool:
+    """Return True if ``exc`` is torch.utils.checkpoint failing inside a torch.func transform.
+
+    Non-reentrant checkpointing (``use_reentrant=False``, the default) fails under
+    ``torch.func.grad``/``vjp`` with "torch.func.{grad, vjp, jacrev, hessian} don't yet support
+    saved tensor hooks"; the reentrant form fails under any transform with "In order to use an
+    autograd.Function with functorch transforms ... it must override the setup_context
+    staticmethod", which any old-style autograd.Function raises too, so that one counts only
+    when torch/utils/checkpoint.py is on the traceback.
+    """
+    text = str(exc)
+    if _SAVED_HOOKS_TEXT in text:
+        return True
+    if _SETUP_CONTEXT_TEXT not in text:
+        return False
+    return _on_traceback(exc, "torch/utils/checkpoint.py")
+
+
+# vmap refusing a data-dependent check, here inside transformers' mask creation
+# (`padding_mask.all()` in masking_utils) when the 2D attention mask is per-sample. torch words
+# it "vmap: It looks like you're either (1) calling .item() on a Tensor ..." or "vmap: It looks
+# like you're attempting to use a Tensor in some data-dependent control flow ..." by the path.
+_VMAP_ITEM_TEXT = "vmap: It looks like you're"
+
+
+def _on_traceback(exc: BaseException, suffix: str) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(suffix):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _is_hf_mask_vmap_error(exc: BaseException) -> bool:
+    """Return True if ``exc`` is vmap refusing transformers' data-dependent mask check."""
+    return _VMAP_ITEM_TEXT in str(exc) and _on_traceback(exc, "transformers/masking_utils.py")
+
+
+def _hf_mask_message(where: str, exc: BaseException) -> str:
+    return (
+        f"{where}: the Hugging Face model builds its attention mask with a data-dependent check "
+        "(`padding_mask.all()` in transformers/masking_utils.py), which vmap cannot run on a "
+        "mask that differs per sample, task or member. Pass the mask in 4D additive form, which "
+        "transformers uses as given: attention_mask = (1.0 - mask[..., None, None, :].to(dtype)) "
+        "* torch.finfo(dtype).min (shape (B, 1, 1, L); dtype the model's float dtype) -- the same "
+        f"numbers as the 2D 0/1 mask. (torch: {str(exc)[:120]}...)"
+    )
+
+
+def _randomness_message(where: str, exc: BaseException) -> str:
+    return (
+        f"{where}: the model draws random numbers (dropout in training mode?) inside vmap, "
+        "which randomness='error' (the default) refuses. Pass randomness='different' (each "
+        "sample/task/member draws its own mask, like a plain loop), randomness='same' (one "
+        "mask shared by the whole batch), or call eval() / set dropout to 0. "
+        f"(torch: {exc})"
+    )
+
+
+def _checkpoint_message(where: str, exc: BaseException) -> str:
+    return (
+        f"{where}: the model calls torch.utils.checkpoint.checkpoint, which does not work "
+        "inside torch.func transforms (vmap/grad). Use torchfn.functional.checkpoint(fn, *args) "
+        "instead: the same numbers, and recomputation where the transforms allow it. Hugging "
+        "Face models: call model.gradient_checkpointing_disable() before make_functional. "
+        f"(torch: {exc})"
+    )
+
+
+def _translate_model_error(exc: BaseException, where: str) -> BaseException | None:
+    """Return a clearer error for a raw torch error a model raised inside a torch.func
+    transform (dropout under randomness='error', torch's activation checkpointing, transformers'
+    data-dependent attention-mask check under vmap), or None.
+
+    Entry points call the model through :func:`_call_translated`, which applies it.
+    """
+    if _is_vmap_randomness_error(exc):
+        return RuntimeError(_randomness_message(where, exc))
+    if _is_torch_checkpoint_error(exc):
+        return RuntimeError(_checkpoint_message(where, exc))
+    if _is_hf_mask_vmap_error(exc):
+        return RuntimeError(_hf_mask_message(where, exc))
+    return None
+
+
+def _call_translated(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Return ``fn(*args, **kwargs)``; re-raise a raw torch error that
+    :func:`_translate_model_error` recognises as the clearer error (the raw one chained as
+    its cause). Under ``torch.compile`` it only calls ``fn`` (no try block to trace)."""
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        new = _translate_model_error(e, where)
+        if new is None:
+            raise
+        raise new from e

@@ -13,7 +13,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from torchfn._checks import _n_members
+from torchfn._checks import _call_translated, _n_members
 from torchfn.functional import FunctionalModel, make_functional
 
 __all__ = ["Ensemble", "ensemble_apply", "n_members"]
@@ -97,8 +97,9 @@ def ensemble_apply(
     def one(p: Mapping[str, Tensor], b: Mapping[str, Tensor], a: tuple[Any, ...]) -> Any:
         return model_fn(p, b, *a)
 
-    return torch.func.vmap(one, in_dims=(0, 0, arg_dims), randomness=randomness,
-                           chunk_size=chunk_size)(dict(params), dict(buffers), args)
+    mapped = torch.func.vmap(one, in_dims=(0, 0, arg_dims), randomness=randomness,
+                             chunk_size=chunk_size)
+    return _call_translated(where, mapped, dict(params), dict(buffers), args)
 
 
 def _describe_mismatch(first: nn.Module, other: nn.Module) -> str | None:

@@ -23,7 +23,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
-from torchfn._checks import _replace
+from torchfn._checks import _call_translated, _replace
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
 from torchfn.functional import (
     DynamicLossScaler,
@@ -274,7 +274,8 @@ def make_ensemble_train_step(
         with step_rng(state) if use_rng else contextlib.nullcontext():
             grad_fn = autograd_grads if plain_autograd_ok(state.params) else vmapped
             for mx, my in micro:
-                g, loss, buffers = grad_fn(train, fixed, buffers, mx, my, scale)
+                g, loss, buffers = _call_translated(where, grad_fn, train, fixed, buffers, mx,
+                                                    my, scale)
                 grads = g if grads is None else {kk: grads[kk] + g[kk] for kk in grads}
                 losses.append(loss)
         assert grads is not None

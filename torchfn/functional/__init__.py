@@ -36,6 +36,7 @@ from torchfn.functional._recurrent import RNN as RNN
 from torchfn.functional._recurrent import recurrent_forward as recurrent_forward
 from torchfn.functional._recurrent import replace_recurrent as replace_recurrent
 from torchfn.functional._recurrent import restore_recurrent as restore_recurrent
+from torchfn.functional._remat import checkpoint as checkpoint
 from torchfn.functional._stateless import FunctionalModel as FunctionalModel
 from torchfn.functional._stateless import make_functional as make_functional
 from torchfn.functional._train_step import DynamicLossScaler as DynamicLossScaler
@@ -65,6 +66,7 @@ __all__ = [
     "TrainState",
     "apply_gradients",
     "check_optimizer",
+    "checkpoint",
     "empirical_ntk",
     "functional_batch_norm",
     "hessian_diagonal",

@@ -28,6 +28,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
+from torchfn._checks import _call_translated
 from torchfn.functional._core import (
     DynamicLossScaler,
     LossScaleState,
@@ -351,7 +352,8 @@ def make_train_step(
         losses = []
         with ctx:
             for x, y in micro_batches:
-                g, loss, buffers = micro_step(state.params, names, buffers, x, y, scale)
+                g, loss, buffers = _call_translated(
+                    "train step", micro_step, state.params, names, buffers, x, y, scale)
                 grads = g if grads is None else optree.tree_map(torch.add, grads, g)
                 losses.append(loss)
         assert grads is not None
@@ -364,3 +366,4 @@ def make_train_step(
                                loss=loss, buffers=buffers, where="train step")
 
     return step
+

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
+from torchfn._checks import _call_translated, _check_randomness
 from torchfn.functional._batchnorm import BatchNorm
 from torchfn.functional._pytree import (
     _check_same_structure,
@@ -137,12 +138,12 @@ def _check_batch_sizes(
 ) -> int | None:
     """Return the common batch size of the mapped arguments, or raise naming the positions."""
     seen: list[tuple[str, int]] = []
-    for i, (arg, dim) in enumerate(zip(args, dims, strict=True)):
-        if dim is None or isinstance(dim, bool) or not isinstance(dim, int):
-            continue  # unbatched, or a pytree of in_dims that vmap validates itself
-        for path, leaf in zip(optree.tree_paths(arg), optree.tree_leaves(arg), strict=True):
-            where = names[i] if names is not None else f"argument {i}"
-            where += f" (leaf '{_path_str(path)}')" if path else ""
+    for i, (arg, arg_dims) in enumerate(zip(args, dims, strict=True)):
+        where_arg = names[i] if names is not None else f"argument {i}"
+        for path, leaf, dim in _leaf_dims(fn_name, where_arg, arg, arg_dims):
+            if dim is None or leaf is None:
+                continue
+            where = where_arg + (f" (leaf '{_path_str(path)}')" if path else "")
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"{fn_name}: {where} is mapped over dim {dim} but is a "
                                 f"{type(leaf).__name__}, not a tensor.")
@@ -159,6 +160,29 @@ def _check_batch_sizes(
         raise ValueError(f"{fn_name}: batched arguments have different batch sizes ({listing}); "
                          "they must all be equal.")
     return seen[0][1] if seen else None
+
+
+def _leaf_dims(fn_name: str, where: str, arg: Any, dims: Any) -> list[tuple[Any, Any, Any]]:
+    """Return ``(path, leaf, in_dim)`` for every leaf of ``arg``; ``dims`` is an int, None or a
+    pytree prefix of ``arg`` (as ``vmap``'s ``in_dims`` entries are)."""
+    paths = optree.tree_paths(arg, none_is_leaf=True)
+    leaves = optree.tree_leaves(arg, none_is_leaf=True)
+    if dims is None or (isinstance(dims, int) and not isinstance(dims, bool)):
+        return [(p, leaf, dims) for p, leaf in zip(paths, leaves, strict=True)]
+    try:
+        full = optree.tree_broadcast_prefix(dims, arg, none_is_leaf=True)
+    except ValueError as e:
+        raise ValueError(
+            f"{fn_name}: the in_dims entry of {where} must be None, an int, or a pytree with "
+            f"the structure of (a prefix of) the argument, got {dims!r} for an argument of "
+            f"structure {optree.tree_structure(arg, none_is_leaf=True)} ({e})"
+        ) from None
+    flat = optree.tree_leaves(full, none_is_leaf=True)
+    for d in flat:
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+            raise ValueError(f"{fn_name}: in_dims entries must be None or ints, got {d!r} in "
+                             f"the in_dims of {where}.")
+    return list(zip(paths, leaves, flat, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +220,13 @@ def single_sample_fn(
     leaf of ``sample_args`` (``x -> x[None]``), calls ``model_fn`` with the given (closed-over)
     ``buffers``, drops the batch dim from every output leaf and discards ``new_buffers``.
     ``kwargs`` pass through unchanged. Use it to build the one-sample functions that
-    :func:`per_sample_grads` and :func:`empirical_ntk` expect.
+    :func:`per_sample_grads` and :func:`empirical_ntk` expect. A dict (any pytree) sample
+    argument gets the batch dim on every leaf, so Hugging Face style inputs work through a
+    ``model_fn`` that unpacks them: ``lambda p, b, inputs: model_fn(p, b, **inputs)`` with
+    ``inputs = {"input_ids": (L,), "attention_mask": ...}`` per sample. Under ``vmap`` a
+    per-sample 2D ``attention_mask`` meets a data-dependent check in transformers' mask code;
+    pass it as a 4D additive mask ``(1 - mask[..., None, None, :]) * finfo(dtype).min`` (the
+    error says so).
 
     A model whose forward mixes samples (BatchNorm in training mode) has no per-sample meaning:
     for a ``FunctionalModel`` with a batch norm in training mode (or without running statistics)
@@ -231,6 +261,7 @@ def per_sample_grads(
     chunk_size: int | None = None,
     in_dims: tuple[Any, ...] | None = None,
     has_aux: bool = False,
+    randomness: str = "error",
 ) -> Callable[..., Any]:
     """Return ``fn(*args)`` computing the gradient of ``loss_fn`` for every sample of a batch.
 
@@ -247,9 +278,18 @@ def per_sample_grads(
             identical); ``None`` maps over the whole batch at once.
         in_dims: one entry per positional argument, as in ``torch.func.vmap``; by default the
             ``argnums`` arguments are shared (``None``) and every other argument is batched
-            along dim 0. Pass e.g. ``(None, None, 0, 0)`` for ``(params, buffers, x, y)``.
-            Keyword arguments are never batched.
+            along dim 0 (every leaf of a dict/tuple argument, e.g. a Hugging Face batch
+            ``{"input_ids": (B, L), "attention_mask": (B, L)}``). Pass e.g.
+            ``(None, None, 0, 0)`` for ``(params, buffers, x, y)``; an entry may be a pytree
+            prefix of its argument (``{"input_ids": 0, "lengths": None}``). Keyword arguments
+            are never batched: pass batched dicts positionally.
         has_aux: ``loss_fn`` returns ``(loss, aux)``.
+        randomness: ``vmap``'s, for random ops in ``loss_fn`` (dropout in training mode):
+            ``"error"`` (default) refuses them with an error that names this keyword;
+            ``"different"`` draws independent numbers for every sample (a plain per-sample
+            loop's dropout); ``"same"`` draws one set shared by all samples (with
+            ``chunk_size``, torch restores only the CPU generator for every chunk, so on
+            CUDA each chunk draws its own set).
 
     For a ``model_fn(params, buffers, x_batch)`` of the shared contract, build the one-sample
     loss with :func:`single_sample_fn` (see the example). Works under
@@ -273,13 +313,15 @@ def per_sample_grads(
     """
     nums = _check_argnums("per_sample_grads", argnums)
     _check_positive_int("per_sample_grads", "chunk_size", chunk_size, allow_none=True)
+    _check_randomness(randomness, "per_sample_grads(randomness=...)")
     grad_fn = grad(_scalar_output("per_sample_grads", loss_fn, has_aux),
                    argnums=argnums, has_aux=has_aux)
 
     def batched_grads(*args: Any, **kwargs: Any) -> Any:
         dims = _resolve_in_dims("per_sample_grads", nums, in_dims, len(args))
         _check_batch_sizes("per_sample_grads", args, dims)
-        return vmap(grad_fn, in_dims=dims, chunk_size=chunk_size)(*args, **kwargs)
+        mapped = vmap(grad_fn, in_dims=dims, chunk_size=chunk_size, randomness=randomness)
+        return _call_translated("per_sample_grads", mapped, *args, **kwargs)
 
     return batched_grads
 
@@ -292,11 +334,12 @@ def per_sample_grad_norms(
     in_dims: tuple[Any, ...] | None = None,
     has_aux: bool = False,
     p: float = 2.0,
+    randomness: str = "error",
 ) -> Callable[..., Any]:
     """Return ``fn(*args) -> (B,)``: the global ``p``-norm of each sample's gradient.
 
-    Same arguments and conventions as :func:`per_sample_grads`; each sample's gradient (all
-    leaves, and all ``argnums`` together) is reduced to one norm inside the map, so only ``B``
+    Same arguments and conventions as :func:`per_sample_grads` (``randomness`` included);
+    each sample's gradient (all leaves, and all ``argnums`` together) is reduced to one norm inside the map, so only ``B``
     numbers are returned (with ``chunk_size``, at most ``chunk_size`` full gradients exist at
     once). With ``has_aux=True`` it returns ``(norms, aux)``. Useful for DP-SGD clipping and
     gradient-noise statistics.
@@ -310,6 +353,7 @@ def per_sample_grad_norms(
     """
     nums = _check_argnums("per_sample_grad_norms", argnums)
     _check_positive_int("per_sample_grad_norms", "chunk_size", chunk_size, allow_none=True)
+    _check_randomness(randomness, "per_sample_grad_norms(randomness=...)")
     grad_fn = grad(_scalar_output("per_sample_grad_norms", loss_fn, has_aux),
                    argnums=argnums, has_aux=has_aux)
 
@@ -322,7 +366,8 @@ def per_sample_grad_norms(
     def batched_norms(*args: Any, **kwargs: Any) -> Any:
         dims = _resolve_in_dims("per_sample_grad_norms", nums, in_dims, len(args))
         _check_batch_sizes("per_sample_grad_norms", args, dims)
-        return vmap(norm_of_grad, in_dims=dims, chunk_size=chunk_size)(*args, **kwargs)
+        mapped = vmap(norm_of_grad, in_dims=dims, chunk_size=chunk_size, randomness=randomness)
+        return _call_translated("per_sample_grad_norms", mapped, *args, **kwargs)
 
     return batched_norms
 

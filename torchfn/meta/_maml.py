@@ -13,21 +13,32 @@ support loss, out-of-place -- seen from a different outer objective:
   outer ``torchopt.sgd(lr=eps)`` is exactly Reptile's ``params + eps * (mean_t phi_t - params)``.
 
 Tasks are vmapped (task dim 0); ``chunk_size`` splits them into chunks whose gradients are
-summed one after another, so the memory of the backward is that of one chunk.
+summed one after another, so the memory of the backward is that of one chunk. ``randomness``
+is that task ``vmap``'s (dropout in training mode needs ``"different"`` or ``"same"``).
+
+Second order: torch's fused ``scaled_dot_product_attention`` kernels have no double backward,
+and ``layer_norm`` gives wrong gradients inside ``grad(vmap(grad(...)))``, so the second-order
+variants (MAML, ANIL, Meta-SGD) run their inner loop and meta-gradient with the math attention
+kernel and a composite layer norm (``_second_order.py`` says why); first-order MAML and Reptile
+keep the fused kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import optree
 import torch
 import torchopt
 from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
-from torchfn.meta._tasks import Task, check_task_batch
+from torchfn._checks import _call_translated, _check_randomness
+from torchfn.meta._second_order import second_order_context
+from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
 __all__ = ["LR_PREFIX", "MetaLearner", "anil", "fomaml", "maml", "meta_sgd", "reptile"]
 
@@ -46,7 +57,16 @@ class MetaLearner:
     (``model_fn(params, buffers, x) -> (outputs, new_buffers)``, see
     :func:`torchfn.functional.make_functional`); ``loss_fn(outputs, targets)`` returns a
     scalar mean loss. A model in training mode normalises with each task's own batch
-    statistics (transductive BatchNorm, per task, as in the MAML paper).
+    statistics (transductive BatchNorm, per task, as in the MAML paper). Task fields may be
+    tensors or dicts (pytrees) of tensors, e.g. Hugging Face inputs
+    ``{"input_ids": (T, K, L), "attention_mask": (T, K, L)}``; ``model_fn`` gets one task's
+    field as it is (unpack it there: ``model_fn(p, b, x) = hf_fn(p, b, **x)``).
+
+    ``randomness`` is the task ``vmap``'s (as in :func:`torch.func.vmap` and
+    :func:`torchfn.ensembles.ensemble_apply`): ``"error"`` (default: refuse random ops such as
+    dropout in training mode, with an error naming this keyword), ``"different"`` (each task
+    draws its own dropout masks from the global generator, like a loop over tasks) or
+    ``"same"`` (one set of masks shared by all tasks).
 
     ``inner_lr`` (default 0.01) is the learning rate of the default inner optimizer
     ``torchopt.sgd(inner_lr)``; with ``inner_opt`` given, pass the rate to it instead
@@ -74,7 +94,9 @@ class MetaLearner:
         learn_inner_lr: bool = False,
         reptile: bool = False,
         chunk_size: int | None = None,
+        randomness: str = "error",
     ) -> None:
+        _check_randomness(randomness, "MetaLearner(randomness=...)")
         if not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"MetaLearner(inner_steps=...): expected an int >= 1, got {inner_steps!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -104,12 +126,24 @@ class MetaLearner:
         self.learn_inner_lr = learn_inner_lr
         self.reptile = reptile
         self.chunk_size = chunk_size
+        self.randomness = randomness
 
     def __repr__(self) -> str:
         kind = ("reptile" if self.reptile else "meta_sgd" if self.learn_inner_lr
                 else "fomaml" if self.first_order else "maml")
+        extra = "" if self.randomness == "error" else f", randomness={self.randomness!r}"
         return (f"MetaLearner({kind}, inner_steps={self.inner_steps}, "
-                f"chunk_size={self.chunk_size}, adapt_filter={self.adapt_filter is not None})")
+                f"chunk_size={self.chunk_size}, adapt_filter={self.adapt_filter is not None}"
+                f"{extra})")
+
+    def _attention_backend(self) -> contextlib.AbstractContextManager[None]:
+        """Second order: the math SDPA backend and a composite layer norm (_second_order.py)."""
+        if self.first_order:
+            return contextlib.nullcontext()
+        return second_order_context()
+
+    def _task_vmap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return vmap(fn, in_dims=(None, None, 0), randomness=self.randomness)
 
     # -- names -----------------------------------------------------------------------------------
 
@@ -157,14 +191,18 @@ class MetaLearner:
         self,
         meta_params: Mapping[str, Tensor],
         buffers: Mapping[str, Tensor],
-        support_x: Tensor,
-        support_y: Tensor,
+        support_x: Any,
+        support_y: Any,
     ) -> tuple[TensorDict, TensorDict]:
         """Return ``(fast_params, new_buffers)`` after ``inner_steps`` steps on one task's support.
 
         ``fast_params`` has every model param (those not adapted are the meta-params
         themselves); it is differentiable w.r.t. ``meta_params`` (second order unless
-        first-order). One task: ``support_x (K, ...)``; ``vmap`` it for a task batch.
+        first-order). One task: ``support_x (K, ...)`` (or a dict of such tensors); ``vmap``
+        it for a task batch. :meth:`meta_grad` and :meth:`meta_loss` run it with the math
+        attention kernel and a composite layer norm in second order (module docstring); an
+        outer ``grad`` of your own around a ``vmap`` of it needs the same for attention or
+        LayerNorm models.
 
         Example:
             >>> import torch.nn.functional as F
@@ -213,9 +251,10 @@ class MetaLearner:
     # -- task batches ------------------------------------------------------------------------------
 
     def _chunks(self, tasks: Task) -> list[Task]:
-        n = tasks.support_x.shape[0]
+        n = n_tasks(tasks)
         c = n if self.chunk_size is None else min(self.chunk_size, n)
-        return [Task(*(f[i:i + c] for f in tasks)) for i in range(0, n, c)]
+        return [Task(*(optree.tree_map(lambda t, i=i: t[i:i + c], f) for f in tasks))
+                for i in range(0, n, c)]
 
     def meta_loss(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task
@@ -239,15 +278,19 @@ class MetaLearner:
         if self.reptile:
             raise ValueError("MetaLearner.meta_loss: Reptile has no meta-loss to differentiate; "
                              "use meta_grad (its outer 'gradient' is params - mean(adapted))")
-        check_task_batch(tasks, "MetaLearner.meta_loss(meta_params, buffers, tasks)")
-        losses, bufs = [], []
-        for chunk in self._chunks(tasks):
-            loss_t, buf_t = vmap(self.task_loss, in_dims=(None, None, 0))(
-                meta_params, buffers, chunk
-            )
-            losses.append(loss_t)
-            bufs.append(buf_t)
-        return torch.cat(losses).mean(), _mean_buffers(bufs, buffers)
+        where = "MetaLearner.meta_loss(meta_params, buffers, tasks)"
+        check_task_batch(tasks, where)
+
+        def run() -> tuple[Tensor, TensorDict]:
+            losses, bufs = [], []
+            with self._attention_backend():
+                for chunk in self._chunks(tasks):
+                    loss_t, buf_t = self._task_vmap(self.task_loss)(meta_params, buffers, chunk)
+                    losses.append(loss_t)
+                    bufs.append(buf_t)
+            return torch.cat(losses).mean(), _mean_buffers(bufs, buffers)
+
+        return _call_translated(where, run)
 
     def meta_grad(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
@@ -275,8 +318,17 @@ class MetaLearner:
             >>> g["w"].shape
             torch.Size([1, 1])
         """
-        check_task_batch(tasks, "MetaLearner.meta_grad(meta_params, buffers, tasks)")
-        n = tasks.support_x.shape[0]
+        where = "MetaLearner.meta_grad(meta_params, buffers, tasks)"
+        check_task_batch(tasks, where)
+        with self._attention_backend():
+            return _call_translated(where, self._meta_grad, meta_params, buffers, tasks, wrt,
+                                    loss_scale)
+
+    def _meta_grad(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
+        wrt: Collection[str] | None, loss_scale: Tensor | None,
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        n = n_tasks(tasks)
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
         fixed = {k: v for k, v in meta_params.items() if k not in names}
         total: TensorDict | None = None
@@ -284,7 +336,7 @@ class MetaLearner:
         bufs = []
         for chunk in self._chunks(tasks):
             if self.reptile:
-                delta, loss_t, buf_t = vmap(self._reptile_delta, in_dims=(None, None, 0))(
+                delta, loss_t, buf_t = self._task_vmap(self._reptile_delta)(
                     meta_params, buffers, chunk
                 )
                 g = {k: v.sum(0) for k, v in delta.items() if k in names}
@@ -294,8 +346,7 @@ class MetaLearner:
             else:
                 def chunk_loss(p: TensorDict, c: Task = chunk) -> tuple[Tensor, Any]:
                     merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
-                    loss_t, buf_t = vmap(self.task_loss, in_dims=(None, None, 0))(
-                        merged, buffers, c)
+                    loss_t, buf_t = self._task_vmap(self.task_loss)(merged, buffers, c)
                     loss = loss_t.sum()
                     if loss_scale is not None:
                         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
@@ -334,6 +385,7 @@ def maml(
     inner_opt: GradientTransformation | None = None,
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
+    randomness: str = "error",
 ) -> MetaLearner:
     """Return a second-order MAML :class:`MetaLearner` (differentiates through the inner loop).
 
@@ -351,6 +403,8 @@ def maml(
             (the others stay the meta-params); ``None`` adapts all.
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
+        randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
+            mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
 
     Example:
         >>> import torch.nn.functional as F
@@ -358,7 +412,8 @@ def maml(
         MetaLearner(maml, inner_steps=5, chunk_size=None, adapt_filter=False)
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
-                       inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size)
+                       inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
+                       randomness=randomness)
 
 
 def fomaml(
@@ -370,6 +425,7 @@ def fomaml(
     inner_opt: GradientTransformation | None = None,
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
+    randomness: str = "error",
 ) -> MetaLearner:
     """Return a first-order MAML :class:`MetaLearner` (inner gradients detached).
 
@@ -387,6 +443,8 @@ def fomaml(
             (the others stay the meta-params); ``None`` adapts all.
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
+        randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
+            mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
 
     Example:
         >>> import torch.nn.functional as F
@@ -395,7 +453,7 @@ def fomaml(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       first_order=True)
+                       first_order=True, randomness=randomness)
 
 
 def anil(
@@ -407,6 +465,7 @@ def anil(
     inner_lr: float | None = None,
     inner_opt: GradientTransformation | None = None,
     chunk_size: int | None = None,
+    randomness: str = "error",
 ) -> MetaLearner:
     """Return an ANIL :class:`MetaLearner`: MAML adapting only the params ``head(name)`` keeps.
 
@@ -423,6 +482,8 @@ def anil(
             out-of-place); default ``torchopt.sgd(inner_lr)``.
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
+        randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
+            mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
 
     Example:
         >>> import torch.nn.functional as F
@@ -430,7 +491,8 @@ def anil(
         MetaLearner(maml, inner_steps=1, chunk_size=None, adapt_filter=True)
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
-                       inner_opt=inner_opt, adapt_filter=head, chunk_size=chunk_size)
+                       inner_opt=inner_opt, adapt_filter=head, chunk_size=chunk_size,
+                       randomness=randomness)
 
 
 def meta_sgd(
@@ -442,6 +504,7 @@ def meta_sgd(
     inner_opt: GradientTransformation | None = None,
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
+    randomness: str = "error",
 ) -> MetaLearner:
     """Return a Meta-SGD :class:`MetaLearner`: per-parameter inner rates are meta-params.
 
@@ -462,6 +525,8 @@ def meta_sgd(
             (the others stay the meta-params); ``None`` adapts all.
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
+        randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
+            mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
 
     Example:
         >>> import torch.nn.functional as F
@@ -470,7 +535,7 @@ def meta_sgd(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       learn_inner_lr=True)
+                       learn_inner_lr=True, randomness=randomness)
 
 
 def reptile(
@@ -482,6 +547,7 @@ def reptile(
     inner_opt: GradientTransformation | None = None,
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
+    randomness: str = "error",
 ) -> MetaLearner:
     """Return a Reptile :class:`MetaLearner`; its ``meta_grad`` is ``params - mean(adapted)``.
 
@@ -502,6 +568,8 @@ def reptile(
             (the others stay the meta-params); ``None`` adapts all.
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
+        randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
+            mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
 
     Example:
         >>> import torch.nn.functional as F
@@ -510,4 +578,4 @@ def reptile(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       reptile=True)
+                       reptile=True, randomness=randomness)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from torchfn.functional import (
     check_optimizer,
     init_train_state,
     split_batch,
+    step_rng,
 )
 from torchfn.meta._maml import MetaLearner
 from torchfn.meta._tasks import Task
@@ -88,6 +90,7 @@ def make_meta_train_step(
     trainable: Trainable | None = None,
     skip_nonfinite: bool = True,
     grad_transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+    seed_rng: bool = True,
 ) -> Callable[[TrainState, Task], tuple[TrainState, dict[str, Tensor]]]:
     """Return ``step(state, tasks) -> (new_state, metrics)``: one outer update.
 
@@ -112,6 +115,10 @@ def make_meta_train_step(
       ``metrics["skipped"]`` and ``state.skipped``.
     - ``grad_transform``: maps the averaged meta-gradient dict before unscaling and clipping
       (the distributed step all-reduces there).
+    - ``seed_rng`` (eager only; default on): with a learner built with ``randomness=
+      "different"`` or ``"same"`` (dropout), the step seeds its randomness from
+      ``(state.seed, state.step)`` (:func:`torchfn.functional.step_rng`), so a step is
+      reproducible and a resumed run repeats it; wrap a compiled step in ``step_rng(state)``.
 
     ``metrics``: ``loss`` (the meta-loss), ``grad_norm``, ``skipped`` (unless switched off),
     ``lr`` and ``loss_scale`` when asked. It is pure, does no host syncs and compiles with
@@ -147,13 +154,17 @@ def make_meta_train_step(
         device_type = next(iter(state.params.values())).device.type
         grads: dict[str, Tensor] | None = None
         losses, bufs = [], []
-        for part in split_batch(tasks, k, "meta train step(state, tasks)"):
-            with options.autocast(device_type):
-                g, loss, buffers = learner.meta_grad(state.params, state.buffers, part,
-                                                     wrt=names, loss_scale=scale)
-            grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
-            losses.append(loss)
-            bufs.append(buffers)
+        # randomness="error" refuses random ops: nothing to seed
+        use_rng = (seed_rng and learner.randomness != "error"
+                   and not torch.compiler.is_compiling())
+        with step_rng(state) if use_rng else contextlib.nullcontext():
+            for part in split_batch(tasks, k, "meta train step(state, tasks)"):
+                with options.autocast(device_type):
+                    g, loss, buffers = learner.meta_grad(state.params, state.buffers, part,
+                                                         wrt=names, loss_scale=scale)
+                grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
+                losses.append(loss)
+                bufs.append(buffers)
         assert grads is not None
         if k > 1:
             grads = {n: v / k for n, v in grads.items()}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 
@@ -16,56 +17,83 @@ class Task(NamedTuple):
     """A batch of tasks (task dim 0), or one task: support and query inputs and targets.
 
     Fields: ``support_x (T, K, ...)``, ``support_y (T, K, ...)``, ``query_x (T, Q, ...)``,
-    ``query_y (T, Q, ...)``. A pytree, so it goes through ``vmap``, ``torch.compile`` and
-    ``torch.utils._pytree`` as it is.
+    ``query_y (T, Q, ...)``. A field may also be a dict (any pytree) of such tensors, e.g.
+    Hugging Face inputs ``support_x={"input_ids": (T, K, L), "attention_mask": (T, K, L)}``;
+    every leaf has the task dim 0 and the sample dim 1. A pytree, so it goes through ``vmap``,
+    ``torch.compile`` and ``torch.utils._pytree`` as it is.
     """
 
-    support_x: Tensor
-    support_y: Tensor
-    query_x: Tensor
-    query_y: Tensor
+    support_x: Any
+    support_y: Any
+    query_x: Any
+    query_y: Any
+
+
+def _field_leaves(tasks: Task, name: str, call: str) -> list[tuple[str, Tensor]]:
+    """Return ``(label, tensor)`` for every leaf of field ``name`` (``tasks.x['key']``)."""
+    value = getattr(tasks, name)
+    paths = optree.tree_paths(value, none_is_leaf=True)
+    leaves = optree.tree_leaves(value, none_is_leaf=True)
+    if not leaves:
+        raise ValueError(f"{call}: tasks.{name} holds no tensors (an empty "
+                         f"{type(value).__name__}); expected a tensor or a dict of tensors")
+    out = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        label = f"tasks.{name}" + "".join(f"[{k!r}]" for k in path)
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"{call}: {label} must be a tensor (or a dict of tensors), got "
+                            f"{type(leaf).__name__}")
+        if leaf.dim() < 2:
+            raise ValueError(
+                f"{call}: {label} has shape {tuple(leaf.shape)}; expected (T, n, ...): "
+                "a task dim 0, then the samples of each task"
+            )
+        out.append((label, leaf))
+    return out
+
+
+def n_tasks(tasks: Task) -> int:
+    """Return the number of tasks ``T`` (dim 0 of the first leaf of ``support_x``; private)."""
+    return optree.tree_leaves(tasks.support_x, none_is_leaf=True)[0].shape[0]
 
 
 def check_task_batch(tasks: object, call: str) -> None:
     """Raise unless ``tasks`` is a :class:`Task` batch with consistent shapes (private helper).
 
-    Every field is a tensor ``(T, n, ...)`` with the same number of tasks ``T >= 1``; the
-    support inputs and targets have the same number of samples ``K >= 1``, and so do the query
-    ones (``Q >= 1``). ``call`` restates the caller in the message (``"maml(...).meta_grad(...)"``).
+    Every leaf of every field is a tensor ``(T, n, ...)`` with the same number of tasks
+    ``T >= 1``; the support inputs and targets have the same number of samples ``K >= 1``, and
+    so do the query ones (``Q >= 1``). ``call`` restates the caller in the message
+    (``"maml(...).meta_grad(...)"``); a dict leaf is named with its key
+    (``tasks.support_x['attention_mask']``).
     """
     if not isinstance(tasks, Task):
         raise TypeError(
             f"{call}: expected tasks as a Task(support_x, support_y, query_x, query_y) batch "
             f"(task dim 0), got {type(tasks).__name__}"
         )
-    shapes = {}
-    for name, value in zip(Task._fields, tasks, strict=True):
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{call}: tasks.{name} must be a tensor, got {type(value).__name__}")
-        if value.dim() < 2:
-            raise ValueError(
-                f"{call}: tasks.{name} has shape {tuple(value.shape)}; expected (T, n, ...): "
-                "a task dim 0, then the samples of each task"
-            )
-        shapes[name] = tuple(value.shape)
-    listing = ", ".join(f"{k} {v}" for k, v in shapes.items())
-    n_tasks = shapes["support_x"][0]
-    if any(v[0] != n_tasks for v in shapes.values()):
+    fields = {name: _field_leaves(tasks, name, call) for name in Task._fields}
+    shapes = {label: tuple(leaf.shape) for leaves in fields.values() for label, leaf in leaves}
+    listing = ", ".join(f"{k.removeprefix('tasks.')} {v}" for k, v in shapes.items())
+    count = next(iter(shapes.values()))[0]
+    if any(v[0] != count for v in shapes.values()):
         raise ValueError(
             f"{call}: the fields of tasks have different numbers of tasks (dim 0): {listing}; "
             "every field needs the same number of tasks"
         )
-    if n_tasks == 0:
+    if count == 0:
         raise ValueError(f"{call}: tasks holds zero tasks ({listing}); expected at least one")
     for x, y in (("support_x", "support_y"), ("query_x", "query_y")):
-        if shapes[x][1] != shapes[y][1]:
+        labels = [label for label, _ in fields[x] + fields[y]]
+        sizes = [shapes[label][1] for label in labels]
+        if any(size != sizes[0] for size in sizes):
+            seen = " and ".join(f"{label} {shapes[label]}" for label in labels)
             raise ValueError(
-                f"{call}: tasks.{x} {shapes[x]} and tasks.{y} {shapes[y]} have different "
-                f"numbers of samples per task (dim 1: {shapes[x][1]} and {shapes[y][1]}); each "
-                "input needs its target"
+                f"{call}: {seen} have different numbers of samples per task (dim 1); each "
+                "input needs its target, and every leaf of a dict field the same samples"
             )
-        if shapes[x][1] == 0:
-            raise ValueError(f"{call}: tasks.{x} {shapes[x]} has no samples per task (dim 1)")
+        if sizes[0] == 0:
+            raise ValueError(f"{call}: {labels[0]} {shapes[labels[0]]} has no samples per task "
+                             "(dim 1)")
 
 
 def sinusoid_tasks(

@@ -1,0 +1,73 @@
+"""What the second-order meta-gradient runs under: the math attention kernel, a composite LayerNorm.
+
+The meta-gradient of MAML, ANIL and Meta-SGD is ``grad`` of a ``vmap`` over tasks of a
+function that itself calls ``grad`` (the inner loop), so every op of the model is
+differentiated twice, with the task ``vmap`` in between. Two of torch's kernels break there:
+
+- the fused ``scaled_dot_product_attention`` kernels (flash, memory-efficient, and the CPU
+  flash kernel) have no double backward ("derivative for ..._backward is not implemented");
+  ``sdpa_kernel(SDPBackend.MATH)`` selects the composite math path, which has one;
+- ``layer_norm`` with a weight returns silently wrong gradients for everything before it in
+  exactly this nesting (``grad(vmap(grad(...)))``; measured on torch 2.13), while the
+  same computation without the ``vmap``, or as ``vmap(grad(grad(...)))``, is right. A
+  ``TorchFunctionMode`` computes ``F.layer_norm`` / ``torch.layer_norm`` from mean, variance
+  and ``rsqrt`` instead, which differentiates correctly at any order.
+
+First-order variants (first-order MAML, Reptile) never differentiate twice and keep the fused
+kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+__all__: list[str] = []
+
+
+def _composite_layer_norm(
+    x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+    bias: Tensor | None = None, eps: float = 1e-5,
+) -> Tensor:
+    """``F.layer_norm`` from differentiable composite ops (statistics in at least float32)."""
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    work = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(work)
+    mean = h.mean(dims, keepdim=True)
+    centered = h - mean
+    var = (centered * centered).mean(dims, keepdim=True)
+    y = centered * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    # autocast runs layer_norm in float32 and returns float32; otherwise the input's dtype
+    return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
+class _CompositeLayerNorm(TorchFunctionMode):
+    """Route ``F.layer_norm`` and ``torch.layer_norm`` to :func:`_composite_layer_norm`."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.layer_norm:
+            return _composite_layer_norm(*args, **kwargs)
+        if func is torch.layer_norm:  # (input, shape, weight, bias, eps, cudnn_enable)
+            kwargs.pop("cudnn_enable", None)
+            return _composite_layer_norm(*args[:5], **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def second_order_context() -> Iterator[None]:
+    """Run a second-order meta-gradient: math SDPA backend, composite layer norm."""
+    with sdpa_kernel(SDPBackend.MATH), _CompositeLayerNorm():
+        yield
