@@ -492,7 +492,8 @@ def test_tied_cross_terms_need_no_materialised_gradients(monkeypatch) -> None:
 
 def test_dp_per_layer_clipping_counts_a_tied_group_once() -> None:
     """clipping="per_layer": the tied group (emb.weight, head.bias) is clipped as one block
-    under the first layer's threshold; 'head' reports zero norm."""
+    under the first layer's threshold (C / sqrt(L) with L counting groups); 'head' reports
+    zero norm."""
     torchopt = pytest.importorskip("torchopt")
     from torchfn.persample import init_dp_state, make_dp_train_step
 
@@ -505,7 +506,8 @@ def test_dp_per_layer_clipping_counts_a_tied_group_once() -> None:
     state = init_dp_state(params, buffers, torchopt.sgd(0.1), seed=0)
     got = step.clipped_sum(state, (ids, y), torch.ones(B, dtype=torch.bool)).grads
     ref = loop_grads(ghost, params, buffers, ids, y, lm_loss)
-    c = 0.3 / 3**0.5
+    assert ghost.clip_groups == {"emb": ("emb", "head"), "mix": ("mix",)}
+    c = 0.3 / 2**0.5  # C / sqrt(L), L = 2 clipping groups
     groups = {"emb": ["emb.weight", "head.bias"], "mix": ["mix.weight", "mix.bias"]}
     expect = {}
     for names in groups.values():

@@ -34,6 +34,7 @@ import torch
 import torchopt
 import zoo
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
 from torchfn.functional import (
@@ -75,10 +76,6 @@ PER_SAMPLE_PATHS = ("per_sample_grads", "ghost", "ghost_per_layer", "dp", "dp_pe
 REFUSED: dict[tuple[str, str], tuple[Any, str]] = {
     ("resnet", "per_sample_grads"): _BN_TRAIN_PS,
     **{("resnet", p): _BN_TRAIN_GHOST for p in PER_SAMPLE_PATHS[1:]},
-    # ghost layers are whole modules: a module owning trainable A/B and a frozen base Linear
-    # (LoRA with raw nn.Parameters) is one layer, partly frozen -> refused (nn.Linear A/B pass)
-    **{("lora_param", p): (GhostLayerError, "has trainable and frozen parameters")
-       for p in PER_SAMPLE_PATHS[1:]},
     **{("ckpt_torch", p): _CKPT
        for p in (*PER_SAMPLE_PATHS, "train_step", "ensemble")},
 }
@@ -156,7 +153,8 @@ def ref_per_sample(entry: zoo.ZooModel, x: Any, y: Tensor, *, seed: int | None =
 
 def _norm(g: dict[str, Tensor], names: Any = None) -> Tensor:
     keys = [k for k in g if names is None or k in names]
-    return torch.sqrt(sum((g[k].double() ** 2).sum() for k in keys))
+    zero = torch.zeros((), dtype=torch.float64, device=next(iter(g.values())).device)
+    return torch.sqrt(sum(((g[k].double() ** 2).sum() for k in keys), zero))
 
 
 # -- cells --------------------------------------------------------------------------------------------
@@ -177,6 +175,25 @@ def check_make_functional(name: str, device: str = "cpu", dtype: torch.dtype = t
         _close(new_buffers[k].to(b.dtype), b, f"{name}: buffer {k}")
 
 
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """transformers' 4D additive form of a 2D 0/1 attention mask: the same attention."""
+    return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def test_hf_2d_mask_under_per_sample_grads_is_refused_naming_the_4d_form() -> None:
+    entry = _entry("bert", "cpu", torch.float64)
+    x, y = entry.batch(B, 0)
+    model_fn, params, buffers = make_functional(entry.module)
+
+    def loss(p: dict[str, Tensor], xi: Any, yi: Tensor) -> Tensor:
+        out, _ = zoo.call(model_fn, optree.tree_map(lambda t: t[None], xi), p, buffers)
+        return entry.loss_fn(zoo.logits_of(out), yi[None])[0]
+
+    with pytest.raises(RuntimeError, match=r"per_sample_grads: the Hugging Face model builds "
+                       r"its attention mask.*4D additive form"):
+        per_sample_grads(loss)(params, x, y)
+
+
 def check_per_sample_grads(name: str, device: str = "cpu", dtype: torch.dtype = torch.float64,
                            randomness: str | None = "auto") -> None:
     """``randomness="auto"``: ``"different"`` for the random rows, not passed for the others."""
@@ -189,6 +206,8 @@ def check_per_sample_grads(name: str, device: str = "cpu", dtype: torch.dtype = 
     if isinstance(x, dict):  # keyword inputs: add the batch dim of 1 ourselves
         def one(p: dict[str, Tensor], xi: Any) -> Any:
             xb = optree.tree_map(lambda t: t[None], xi)
+            if "attention_mask" in xb:  # the documented 4D form (the 2D one is refused)
+                xb["attention_mask"] = additive_mask(xb["attention_mask"], dtype)
             out, _ = zoo.call(model_fn, xb, p, buffers)
             return optree.tree_map(lambda t: t[0], zoo.logits_of(out))
     else:
@@ -210,19 +229,31 @@ def check_per_sample_grads(name: str, device: str = "cpu", dtype: torch.dtype = 
             _close(grads[k][i], v, f"{name}: sample {i}, {k}")
 
 
+def _clip_groups(ghost: Any) -> dict[str, tuple[str, ...]]:
+    """``{first layer: parameter names}`` of each per-layer clipping group (tied layers: one)."""
+    return {head: tuple(dict.fromkeys(k for m in members for k in ghost.layer_params[m]))
+            for head, members in ghost.clip_groups.items()}
+
+
 def check_ghost(name: str, device: str = "cpu", dtype: torch.dtype = torch.float64,
                 per_layer: bool = False) -> None:
     entry = _entry(name, device, dtype)
     x, y = entry.batch(B, 0)
     ghost, params, buffers = make_ghost_model(entry.module)
     if name == "timm_vit":  # root-level pos_embed/cls_token must not swallow the whole model
-        assert "" not in ghost.layer_kinds, f"timm_vit: one whole-model layer {ghost.layer_kinds}"
+        kinds = ghost.layer_kinds
+        assert kinds[""] == "direct", f"timm_vit: root layer {kinds}"
+        assert kinds["blocks.0.attn.qkv"] == "linear", f"timm_vit: blocks not ghost {kinds}"
+    if name == "lora_param":  # trainable A/B owned beside a frozen base Linear
+        assert ghost.layer_kinds == {"0": "direct", "2": "direct"}, ghost.layer_kinds
     torch.manual_seed(SEED)
     norms = ghost_grad_norms(ghost, entry.loss_fn, per_layer=per_layer)(params, buffers, x, y)
     ref = ref_per_sample(entry, x, y, seed=SEED if name in RANDOM else None)
     if per_layer:
         assert set(norms) == set(ghost.layer_names)
-        for layer, names in ghost.layer_params.items():
+        groups = _clip_groups(ghost)
+        for layer in ghost.layer_names:  # a tied group reports at its first layer, else zeros
+            names = groups.get(layer, ())
             expected = torch.stack([_norm(r, names) for r in ref]).to(norms[layer].dtype)
             _close(norms[layer], expected, f"{name}: layer {layer!r} norms")
     else:
@@ -250,7 +281,7 @@ def check_dp(name: str, device: str = "cpu", dtype: torch.dtype = torch.float64,
     new_state, _ = step(state, (x, y), valid)
 
     # reference: clip each valid sample's gradient (per layer: C_l = C / sqrt(L)), sum, / (q N)
-    layers = ghost.layer_params if per_layer else {"": tuple(ref[0])}
+    layers = _clip_groups(ghost) if per_layer else {"": tuple(ref[0])}
     c_l = c / math.sqrt(len(layers)) if per_layer else c
     total = {k: torch.zeros_like(v) for k, v in ref[0].items()}
     for i, g in enumerate(ref):
@@ -359,14 +390,16 @@ def check_maml(name: str, device: str = "cpu", dtype: torch.dtype = torch.float6
         return zoo.call(lambda *a, **kw: torch.func.functional_call(module, p, a, kw), x)
 
     total = 0.0
-    for sx, sy, qx, qy in raw:
-        if name in RANDOM:
-            torch.manual_seed(SEED)  # randomness="same": every task draws these numbers
-        support = loss_fn(run(meta, sx), sy)
-        g = torch.autograd.grad(support, list(meta.values()), create_graph=True)
-        fast = {k: meta[k] - inner_lr * gk for k, gk in zip(names, g, strict=True)}
-        total = total + loss_fn(run(fast, qx), qy)
-    expected = torch.autograd.grad(total / len(raw), list(meta.values()))
+    # torch's fused attention kernels have no double backward: the reference uses the math one
+    with sdpa_kernel(SDPBackend.MATH):
+        for sx, sy, qx, qy in raw:
+            if name in RANDOM:
+                torch.manual_seed(SEED)  # randomness="same": every task draws these numbers
+            support = loss_fn(run(meta, sx), sy)
+            g = torch.autograd.grad(support, list(meta.values()), create_graph=True)
+            fast = {k: meta[k] - inner_lr * gk for k, gk in zip(names, g, strict=True)}
+            total = total + loss_fn(run(fast, qx), qy)
+        expected = torch.autograd.grad(total / len(raw), list(meta.values()))
     for k, e in zip(names, expected, strict=True):
         _close(grads[k], e, f"{name}: meta-gradient {k}")
 

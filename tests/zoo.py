@@ -167,7 +167,8 @@ def gpt2() -> ZooModel:
 
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+                        use_cache=False)  # no KV-cache object in the outputs (ghost refuses one)
     m = GPT2LMHeadModel(config)  # tie_word_embeddings=True: lm_head.weight is wte.weight
     assert m.lm_head.weight is m.transformer.wte.weight
     return ZooModel("gpt2", m, _gpt2_batch(m), token_loss)

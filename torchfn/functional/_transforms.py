@@ -18,7 +18,7 @@ wraps them without adding something.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import optree
@@ -249,9 +249,32 @@ def single_sample_fn(
     def f(params: PyTree, *sample_args: Any, **kwargs: Any) -> Any:
         batched = tree_map(lambda a: a.unsqueeze(0), sample_args)
         out, _ = model_fn(params, buffers, *batched, **kwargs)
-        return tree_map(lambda o: o[0], out)
+        return _drop_batch_dim(out)
 
     return f
+
+
+def _drop_batch_dim(out: Any) -> Any:
+    """``out`` with ``t[0]`` for every tensor, through tuples, lists and mappings of any type.
+
+    Mappings keep their type (a Hugging Face ``ModelOutput`` -- an ``OrderedDict`` subclass
+    that optree sees as one leaf -- comes back as a ``ModelOutput`` of one sample); non-tensor
+    leaves are returned as they are.
+    """
+    if isinstance(out, torch.Tensor):
+        return out[0]
+    if isinstance(out, Mapping):
+        items = {k: _drop_batch_dim(v) for k, v in out.items()}
+        try:
+            return type(out)(**items)
+        except TypeError:
+            return type(out)(items)
+    if isinstance(out, tuple):
+        items = [_drop_batch_dim(v) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
+    if isinstance(out, list):
+        return [_drop_batch_dim(v) for v in out]
+    return out
 
 
 def per_sample_grads(

@@ -157,7 +157,7 @@ def _layer_thresholds(ghost: GhostModel, max_grad_norm: float | Mapping[str, flo
                       clipping: str) -> tuple[dict[str, float] | None, float]:
     """Return ``(per-layer thresholds or None, total sensitivity C)``."""
     where = "make_dp_train_step"
-    layers = list(ghost.layer_names)
+    layers = list(ghost.clip_groups)  # one threshold per clipping group (tied layers: one)
     if clipping not in ("flat", "per_layer"):
         raise ValueError(f"{where}(clipping=...): expected 'flat' or 'per_layer', got "
                          f"{clipping!r}")
@@ -169,7 +169,8 @@ def _layer_thresholds(ghost: GhostModel, max_grad_norm: float | Mapping[str, flo
         extra = [n for n in max_grad_norm if n not in layers]
         if missing or extra:
             raise ValueError(f"{where}(max_grad_norm=...): per-layer thresholds must name "
-                             f"exactly the layers {layers}; missing {missing}, unknown "
+                             f"exactly the layers {layers} (ghost.clip_groups: layers tied by "
+                             f"a shared parameter are one group); missing {missing}, unknown "
                              f"{extra}")
         thresholds = {n: float(max_grad_norm[n]) for n in layers}
     else:
@@ -424,8 +425,10 @@ def make_dp_train_step(
     and ``dataset_size`` N give the expected batch size ``q N`` that the noisy sum is divided
     by (sample with a :class:`PoissonSampler` of the same q and N). ``clipping="flat"`` clips
     each example's whole gradient to ``max_grad_norm``; ``"per_layer"`` clips each layer's
-    part to its own threshold: a dict ``{layer_name: C_l}`` (see ``ghost.layer_names``), or
-    one float ``C`` split evenly as ``C / sqrt(L)``; the noise std is then
+    part to its own threshold: a dict ``{layer_name: C_l}`` (the keys of
+    ``ghost.clip_groups``: ``ghost.layer_names``, with the layers that share a tied parameter
+    as one group named after its first layer), or one float ``C`` split evenly as
+    ``C / sqrt(L)`` over those ``L`` groups; the noise std is then
     ``noise_multiplier * sqrt(sum_l C_l^2)``, so the accountant sees the same sigma.
 
     The shared step features (:class:`StepOptions`, applied by :func:`apply_gradients`):

@@ -103,17 +103,19 @@ class GhostGrads:
         """Return ``{param_name: sum_i coef_i grad_i}``, shaped like the parameters.
 
         ``coef`` is ``(B,)`` for all layers, or ``{layer_name: (B,)}`` (per-layer clipping;
-        every trainable layer must be present; layers tied to an earlier one use its
-        coefficient). With ``coef_i = min(1, C / ||grad_i||)`` this
+        the first layer of every clipping group must be present -- ``GhostModel.clip_groups``;
+        layers tied to an earlier one use its coefficient, extra keys are ignored). With ``coef_i = min(1, C / ||grad_i||)`` this
         is DP-SGD's clipped sum, computed book-keeping style (one GEMM per linear/conv layer
         from the recorded activations and output gradients; no second backward). With ones it
         is the ordinary summed gradient. Frozen parameters get zeros.
         """
         if isinstance(coef, Mapping):
-            missing = [n for n in self._spec if n not in coef]
+            heads = list(dict.fromkeys(self._group[n] for n in self._spec))
+            missing = [n for n in heads if n not in coef]
             if missing:
                 raise ValueError(f"GhostGrads.weighted_sum(coef=...): per-layer coef is missing "
-                                 f"layers {missing} (expected keys {list(self._spec)})")
+                                 f"layers {missing} (expected keys {heads}: one per clipping "
+                                 "group, layers tied to an earlier one use its coefficient)")
         out: TensorDict = {}
         for name, layer in self._spec.items():
             c = coef[self._group[name]] if isinstance(coef, Mapping) else coef

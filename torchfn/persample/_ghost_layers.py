@@ -244,6 +244,9 @@ class Rule:
     """How ghost per-sample gradients treat one kind of layer."""
 
     kind = "fallback"
+    # whether a call whose output has leading dim 1 in a pass of batch B > 1 is a call shared
+    # by the batch (expanded to B on the tape); False where dim 0 of an output is not the batch
+    expands_shared_calls = True
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`GhostLayerError` if ``module`` has settings this rule cannot handle."""

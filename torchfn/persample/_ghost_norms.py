@@ -80,6 +80,7 @@ from torchfn.persample._ghost_tape import (
     tensors_of,
     to_meta_,
 )
+from torchfn.persample._ghost_tied import tied_groups
 
 __all__ = [
     "GhostGrads",
@@ -193,7 +194,9 @@ class GhostModel:
 
     Attributes: ``layer_names`` (tuple), ``layer_kinds`` (``{layer: "linear" | "conv" |
     "embedding" | "norm" | "attention" | "recurrent" | "fallback" | "direct"}``),
-    ``layer_params`` (``{layer: (param names)}``),
+    ``layer_params`` (``{layer: (param names)}``), ``clip_groups`` (``{first layer: (layers)}``:
+    layers linked by a tied parameter form one group, whose norm the per-layer norms report at
+    its first layer -- zeros at the others -- and which per-layer clipping clips as one),
     ``frozen`` (names of parameters with ``requires_grad=False``: zero gradient, never
     noised), ``trainable`` (the other parameter names), ``param_names``, ``buffer_names``,
     ``training``.
@@ -206,6 +209,10 @@ class GhostModel:
         self.layer_names = tuple(layers)
         self.layer_kinds = {n: lay.rule.kind for n, lay in layers.items()}
         self.layer_params = {n: tuple(lay.params.values()) for n, lay in layers.items()}
+        groups: dict[str, list[str]] = {}
+        for n, head in tied_groups({n: lay.params for n, lay in layers.items()}).items():
+            groups.setdefault(head, []).append(n)
+        self.clip_groups = {head: tuple(members) for head, members in groups.items()}
         self.param_names = model_fn.param_names
         self.buffer_names = model_fn.buffer_names
         self.trainable = tuple(k for k in self.param_names if k not in frozen)
@@ -491,7 +498,7 @@ def make_ghost_model(
         consts = {loc: primary[id(p)] for loc, p in m.named_parameters(remove_duplicate=False)
                   if direct and "." in loc}
         layers[name] = Layer(m, rule, params, buffers, consts)
-        parent._modules[attr] = Tap(m, name, tape)
+        parent._modules[attr] = Tap(m, name, tape, expand_shared=rule.expands_shared_calls)
 
     def visit(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
         if not any(True for _ in m.parameters()):

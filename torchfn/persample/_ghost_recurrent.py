@@ -77,6 +77,7 @@ class RecurrentRule(Rule):
     """torchfn's ``RNN``/``GRU``/``LSTM``: linear forms per weight (see the module doc)."""
 
     kind = "recurrent"
+    expands_shared_calls = False  # h_n/c_n are (layers * directions, B, H)
 
     def batch_dims_ok(self, module: nn.Module, calls: Calls, grads: Grads,
                       batch: int) -> str | None:

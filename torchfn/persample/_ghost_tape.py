@@ -119,11 +119,15 @@ def _expand(t: Any, batch: int) -> Any:
 class Tap(nn.Module):
     """Calls ``inner`` and, while the tape records, logs its inputs and adds the probes."""
 
-    def __init__(self, inner: nn.Module, name: str, tape: Tape) -> None:
+    def __init__(self, inner: nn.Module, name: str, tape: Tape, *,
+                 expand_shared: bool = True) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", inner)  # not a child: names stay the layer's own
         object.__setattr__(self, "_tap_name", name)
         object.__setattr__(self, "_tape", tape)
+        # False for a layer whose outputs hold a leading dim 1 that is not the batch (a
+        # recurrent layer's (num_layers, B, H) final states): never expanded as shared calls
+        object.__setattr__(self, "_expand_shared", expand_shared)
         self._parameters = inner._parameters
         self._buffers = inner._buffers
         self._modules = inner._modules
@@ -155,7 +159,7 @@ class Tap(nn.Module):
         if tape.mode is None:
             return out
         leaves = tensors_of(out, [])
-        batch = tape.batch
+        batch = tape.batch if self._expand_shared else None
         shared = any(_shared(t, batch) for t in leaves)
         if tape.mode == "shape":
             if name not in tape.shapes:
