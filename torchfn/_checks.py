@@ -187,6 +187,10 @@ _VMAP_RANDOMNESS_TEXT = "called random operation while in randomness error mode"
 _SAVED_HOOKS_TEXT = "don't yet support saved tensor hooks"
 # torch.utils.checkpoint(use_reentrant=True): an old-style autograd.Function under any transform
 _SETUP_CONTEXT_TEXT = "it must override the setup_context staticmethod"
+# torch.utils.checkpoint(use_reentrant=False) in a forward under vmap whose backward runs in plain
+# autograd afterwards (the eager ensemble step): the recomputation in the unpack hook replays the
+# forward outside vmap on tensors saved inside it
+_ESCAPED_TEXT = "escaped from inside a function being vmapped"
 
 
 def _check_randomness(randomness: object, where: str) -> str:
@@ -209,12 +213,15 @@ def _is_torch_checkpoint_error(exc: BaseException) -> bool:
     saved tensor hooks"; the reentrant form fails under any transform with "In order to use an
     autograd.Function with functorch transforms ... it must override the setup_context
     staticmethod", which any old-style autograd.Function raises too, so that one counts only
-    when torch/utils/checkpoint.py is on the traceback.
+    when torch/utils/checkpoint.py is on the traceback. A forward run under ``vmap`` with a
+    plain-autograd backward afterwards fails in the recomputation with "Either your tensor may
+    have escaped from inside a function being vmapped ..." (``gen_vmap_plumbing``), which any
+    escaped tensor raises too, so that one also counts only with checkpoint.py on the traceback.
     """
     text = str(exc)
     if _SAVED_HOOKS_TEXT in text:
         return True
-    if _SETUP_CONTEXT_TEXT not in text:
+    if _SETUP_CONTEXT_TEXT not in text and _ESCAPED_TEXT not in text:
         return False
     return _on_traceback(exc, "torch/utils/checkpoint.py")
 
