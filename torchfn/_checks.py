@@ -7,6 +7,7 @@ here when more than one package needs it. Nothing here is public API.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -320,8 +321,6 @@ def _keyword_mismatch(model_fn: Any, params: Any, buffers: Any, inputs: Mapping[
                       ) -> str | None:
     """Return why ``model_fn(params, buffers, **inputs)`` cannot bind, or None if it can (or
     the signature is unknown)."""
-    import inspect
-
     try:
         sig = inspect.signature(model_fn)
     except (TypeError, ValueError):
