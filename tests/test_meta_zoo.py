@@ -17,6 +17,11 @@ D = torch.float64
 LR = 0.3
 
 
+def _call(model_fn, p, b, x):
+    """The call convention of torchfn's steps: a dict as keywords, anything else positional."""
+    return model_fn(p, b, **x) if isinstance(x, dict) else model_fn(p, b, x)
+
+
 def _reference(model_fn, loss_fn, params, buffers, tasks, *, steps=1, first_order=False,
                seed=None, keep=None):
     """Mean over tasks of the query-loss gradient after ``steps`` SGD steps, task by task with
@@ -32,12 +37,12 @@ def _reference(model_fn, loss_fn, params, buffers, tasks, *, steps=1, first_orde
         fast = dict(leaf)
         names = [k for k in fast if keep is None or keep(k)]
         for _ in range(steps):
-            out, _ = model_fn(fast, buffers, task.support_x)
+            out, _ = _call(model_fn, fast, buffers, task.support_x)
             g = torch.autograd.grad(loss_fn(out, task.support_y), [fast[k] for k in names],
                                     create_graph=not first_order, allow_unused=True)
             fast = {**fast, **{k: fast[k] - LR * (torch.zeros_like(fast[k]) if gi is None
                                                   else gi) for k, gi in zip(names, g, strict=True)}}
-        out, _ = model_fn(fast, buffers, task.query_x)
+        out, _ = _call(model_fn, fast, buffers, task.query_x)
         loss = loss_fn(out, task.query_y)
         grads = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
         for k, gk in zip(leaf, grads, strict=True):
@@ -220,7 +225,7 @@ def _bert_tasks():
     bert = transformers.BertForSequenceClassification(cfg).to(D).eval()
     model_fn, params, buffers = make_functional(bert)
 
-    def hf_fn(p, b, inputs):
+    def hf_fn(p, b, **inputs):  # a dict task field comes in as keywords
         out, new_b = model_fn(p, b, **inputs)
         return out.logits, new_b
 
@@ -323,7 +328,7 @@ def test_meta_train_step_with_dict_tasks_and_accumulation_equals_one_meta_grad()
     net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).to(D)
     model_fn, params, buffers = make_functional(net)
 
-    def dict_fn(p, b, x):  # x: {"a": (K, 3), "scale": (K, 1)}
+    def dict_fn(p, b, **x):  # x: {"a": (K, 3), "scale": (K, 1)}, as keywords
         out, new_b = model_fn(p, b, x["a"])
         return out * x["scale"], new_b
 

@@ -142,8 +142,8 @@ def test_pytree_inputs_are_split():
     torch.manual_seed(0)
     w = torch.randn(3, 2, dtype=torch.float64)
 
-    def model_fn(p, b, inputs):
-        return inputs["a"] @ p["w"] + inputs["b"], b
+    def model_fn(p, bufs, **inputs):  # a dict of inputs comes in as keywords
+        return inputs["a"] @ p["w"] + inputs["b"], bufs
 
     g = torch.Generator().manual_seed(2)
     x = {"a": torch.randn(6, 3, generator=g, dtype=torch.float64),

@@ -301,7 +301,7 @@ def test_bert_ensemble_step_with_a_shared_2d_mask_matches_separate_models():
     models = _tiny_bert(2)
     ens = Ensemble.from_modules(models)
 
-    def hf_fn(p, b, inputs):
+    def hf_fn(p, b, **inputs):  # a dict of inputs comes in as keywords
         out, new_b = ens.model_fn(p, b, **inputs)
         return out.logits, new_b
 
@@ -332,7 +332,7 @@ def test_bert_ensembles_with_per_member_masks_name_the_workaround():
     models = _tiny_bert(2)
     ens = Ensemble.from_modules(models)
 
-    def hf_fn(p, b, inputs):
+    def hf_fn(p, b, **inputs):  # a dict of inputs comes in as keywords
         out, new_b = ens.model_fn(p, b, **inputs)
         return out.logits, new_b
 

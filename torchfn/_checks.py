@@ -7,6 +7,7 @@ here when more than one package needs it. Nothing here is public API.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -187,6 +188,10 @@ _VMAP_RANDOMNESS_TEXT = "called random operation while in randomness error mode"
 _SAVED_HOOKS_TEXT = "don't yet support saved tensor hooks"
 # torch.utils.checkpoint(use_reentrant=True): an old-style autograd.Function under any transform
 _SETUP_CONTEXT_TEXT = "it must override the setup_context staticmethod"
+# torch.utils.checkpoint(use_reentrant=False) in a forward under vmap whose backward runs in plain
+# autograd afterwards (the eager ensemble step): the recomputation in the unpack hook replays the
+# forward outside vmap on tensors saved inside it
+_ESCAPED_TEXT = "escaped from inside a function being vmapped"
 
 
 def _check_randomness(randomness: object, where: str) -> str:
@@ -209,12 +214,15 @@ def _is_torch_checkpoint_error(exc: BaseException) -> bool:
     saved tensor hooks"; the reentrant form fails under any transform with "In order to use an
     autograd.Function with functorch transforms ... it must override the setup_context
     staticmethod", which any old-style autograd.Function raises too, so that one counts only
-    when torch/utils/checkpoint.py is on the traceback.
+    when torch/utils/checkpoint.py is on the traceback. A forward run under ``vmap`` with a
+    plain-autograd backward afterwards fails in the recomputation with "Either your tensor may
+    have escaped from inside a function being vmapped ..." (``gen_vmap_plumbing``), which any
+    escaped tensor raises too, so that one also counts only with checkpoint.py on the traceback.
     """
     text = str(exc)
     if _SAVED_HOOKS_TEXT in text:
         return True
-    if _SETUP_CONTEXT_TEXT not in text:
+    if _SETUP_CONTEXT_TEXT not in text and _ESCAPED_TEXT not in text:
         return False
     return _on_traceback(exc, "torch/utils/checkpoint.py")
 
@@ -300,3 +308,80 @@ def _call_translated(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if new is None:
             raise
         raise new from e
+
+
+# -- how a step calls the model with its inputs ---------------------------------------------------
+# One convention for every step kind and transform that calls ``model_fn`` with a batch (the
+# train step, ensembles, DP/ghost, the meta learners): a Mapping of batched tensors is passed as
+# keywords, ``model_fn(params, buffers, **inputs)`` (Hugging Face style, ``module(**inputs)``);
+# anything else (a tensor, a tuple, any other pytree) as one positional argument.
+
+
+def _keyword_mismatch(model_fn: Any, params: Any, buffers: Any, inputs: Mapping[str, Any]
+                      ) -> str | None:
+    """Return why ``model_fn(params, buffers, **inputs)`` cannot bind, or None if it can (or
+    the signature is unknown)."""
+    try:
+        sig = inspect.signature(model_fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(params, buffers, **inputs)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def _call_model(model_fn: Any, params: Any, buffers: Any, inputs: Any,
+                where: str = "step") -> Any:
+    """Return ``model_fn(params, buffers, **inputs)`` for a Mapping ``inputs``, else
+    ``model_fn(params, buffers, inputs)`` (the convention above).
+
+    A ``model_fn`` whose signature cannot take the keys of a dict as keywords (one written as
+    ``model_fn(params, buffers, inputs)``) gets a ``TypeError`` naming the keys and the fix.
+    """
+    if not isinstance(inputs, Mapping):
+        return model_fn(params, buffers, inputs)
+    if not torch.compiler.is_compiling():
+        why = _keyword_mismatch(model_fn, params, buffers, inputs)
+        if why is not None:
+            raise TypeError(
+                f"{where}: the inputs are a dict with keys {sorted(map(str, inputs))}, which "
+                "torchfn passes to the model as keywords, model_fn(params, buffers, **inputs) "
+                f"(Hugging Face style), but model_fn does not take them ({why}). Accept them "
+                "as keywords (def model_fn(params, buffers, **inputs)), or pass the inputs as "
+                "a tuple or a tensor, which go in as one positional argument"
+            )
+    return model_fn(params, buffers, **inputs)
+
+
+def _leaves_with_paths(tree: Any, root: str) -> list[tuple[str, Any]]:
+    """Return ``(label, leaf)`` for every leaf of a nest of dicts/tuples/lists, depth first
+    (labels like ``inputs['input_ids']`` or ``inputs[0]``)."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(x: Any, label: str) -> None:
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                walk(v, f"{label}[{k!r}]")
+        elif isinstance(x, (tuple, list)):
+            for i, v in enumerate(x):
+                walk(v, f"{label}[{i}]")
+        else:
+            out.append((label, x))
+
+    walk(tree, root)
+    return out
+
+
+def _leading_size(tree: Any, where: str, what: str = "inputs") -> int:
+    """Return dim 0 of the first tensor leaf of ``tree`` (a tensor or a dict/pytree of them);
+    raise ``ValueError`` naming ``what`` if it holds no tensor with a dim 0."""
+    for label, leaf in _leaves_with_paths(tree, what):
+        if isinstance(leaf, Tensor):
+            if leaf.ndim == 0:
+                raise ValueError(f"{where}: {label} is a 0-d tensor; expected a leading "
+                                 "(batch/task) dim 0")
+            return int(leaf.shape[0])
+    raise ValueError(f"{where}: {what} holds no tensor (got {type(tree).__name__}); expected a "
+                     "tensor or a dict of tensors with a leading dim 0")

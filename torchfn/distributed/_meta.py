@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _check_rank, _replace
+from torchfn._checks import _check_rank, _leading_size, _replace
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
 from torchfn.functional import TrainState
@@ -24,7 +25,7 @@ def shard_tasks(tasks: Task, *, rank: int, world_size: int) -> Task:
 
     ``T`` must be divisible by ``world_size`` (``ValueError`` naming both otherwise), so every
     rank holds the same number of tasks and the mean of the ranks' meta-gradients is the
-    meta-gradient of the whole meta-batch.
+    meta-gradient of the whole meta-batch. Dict (pytree) fields are sharded leaf by leaf.
 
     Example:
         >>> import torch
@@ -33,14 +34,15 @@ def shard_tasks(tasks: Task, *, rank: int, world_size: int) -> Task:
         >>> shard_tasks(tasks, rank=1, world_size=2).support_x.shape
         torch.Size([4, 5, 1])
     """
-    n = tasks.support_x.shape[0]
+    n = _leading_size(tasks.support_x, "shard_tasks(tasks)", "tasks.support_x")
     _check_rank(world_size, rank, "shard_tasks")
     if n % world_size:
         raise ValueError(f"shard_tasks(tasks, world_size={world_size}): the meta-batch has "
                          f"{n} tasks, not divisible by the world size; use a meta-batch that "
                          f"is a multiple of {world_size}")
     per = n // world_size
-    return Task(*(f[rank * per:(rank + 1) * per] for f in tasks))
+    lo, hi = rank * per, (rank + 1) * per
+    return Task(*(optree.tree_map(lambda t: t[lo:hi], f) for f in tasks))
 
 
 def make_distributed_meta_train_step(

@@ -13,7 +13,7 @@ import optree
 import torch
 from torch import Tensor, nn
 
-from torchfn._checks import _call_translated, _n_members
+from torchfn._checks import _call_model, _call_translated, _n_members
 from torchfn.functional import FunctionalModel, make_functional
 
 __all__ = ["Ensemble", "ensemble_apply", "n_members"]
@@ -67,7 +67,8 @@ def ensemble_apply(
     ``params``/``buffers`` are stacked ``(N, ...)``. With ``per_member=False`` every member
     sees the same ``args`` (``(B, ...)``); with ``per_member=True`` each tensor in ``args`` is
     ``(N, B, ...)`` and member ``n`` sees slice ``n``. ``chunk_size`` runs the members in
-    chunks of that many (less memory, same numbers). ``randomness`` is ``vmap``'s: ``"error"``
+    chunks of that many (less memory, same numbers). One dict argument is passed as keywords,
+    ``model_fn(p, b, **inputs)`` (Hugging Face style, like every torchfn step). ``randomness`` is ``vmap``'s: ``"error"``
     (default: refuse random ops such as dropout in training mode), ``"different"`` (each member
     draws its own dropout masks from the global generator) or ``"same"``. Pure; compiles with
     ``torch.compile(fullgraph=True)``.
@@ -95,6 +96,8 @@ def ensemble_apply(
     arg_dims = 0 if per_member else None
 
     def one(p: Mapping[str, Tensor], b: Mapping[str, Tensor], a: tuple[Any, ...]) -> Any:
+        if len(a) == 1 and isinstance(a[0], Mapping):  # HF style: the dict as keywords
+            return _call_model(model_fn, p, b, a[0], where)
         return model_fn(p, b, *a)
 
     mapped = torch.func.vmap(one, in_dims=(0, 0, arg_dims), randomness=randomness,

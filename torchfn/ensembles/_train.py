@@ -23,7 +23,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
-from torchfn._checks import _call_translated, _replace
+from torchfn._checks import _call_model, _call_translated, _replace
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
 from torchfn.functional import (
     DynamicLossScaler,
@@ -130,7 +130,8 @@ def make_ensemble_train_step(
     ``state`` comes from :func:`init_ensemble_state` (every leaf ``(N, ...)``);
     ``batch = (inputs, targets)``, by default one batch per member, every tensor
     ``(N, B, ...)``; with ``shared_batch=True`` all members see the same ``(B, ...)``. Per
-    member: ``outputs, new_buffers = model_fn(params, buffers, inputs)``,
+    member: ``outputs, new_buffers = model_fn(params, buffers, inputs)`` (a dict of inputs
+    goes in as keywords, ``model_fn(params, buffers, **inputs)``, Hugging Face style),
     ``loss = loss_fn(outputs, targets)`` (0-d), its gradient (``vmap`` of ``grad``, members in
     chunks of ``chunk_size`` if given; an eager unchunked step outside other ``torch.func``
     transforms vmaps only the forward and runs one plain backward of the summed losses: the
@@ -208,7 +209,7 @@ def make_ensemble_train_step(
                     ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
         def objective(p: dict[str, Tensor]) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
             with options.autocast(_device_type(p, fixed)):
-                outputs, new_buffers = model_fn({**fixed, **p}, buffers, x)
+                outputs, new_buffers = _call_model(model_fn, {**fixed, **p}, buffers, x, where)
                 loss = checked_loss(outputs, y)
             return loss * scale, (loss, new_buffers)
 
@@ -221,7 +222,7 @@ def make_ensemble_train_step(
 
     def member_loss(params: dict[str, Tensor], buffers: dict[str, Tensor], x: Any,
                     y: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        outputs, new_buffers = model_fn(params, buffers, x)
+        outputs, new_buffers = _call_model(model_fn, params, buffers, x, where)
         return checked_loss(outputs, y), new_buffers
 
     vmapped_loss = torch.func.vmap(member_loss, in_dims=(0, 0, batch_dim, batch_dim),

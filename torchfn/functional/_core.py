@@ -31,7 +31,7 @@ from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 from torchopt.update import apply_updates
 
-from torchfn._checks import _replace
+from torchfn._checks import _leaves_with_paths, _replace
 
 __all__ = [
     "DynamicLossScaler",
@@ -248,25 +248,32 @@ def split_batch(tree: Any, k: int, where: str = "step", dim: int = 0) -> list[An
     if k == 1:
         return [tree]
     leaves, spec = optree.tree_flatten(tree)
-    sizes = set()
-    for leaf in leaves:
+    labels = [label for label, _ in _leaves_with_paths(tree, "batch")]
+    if len(labels) != len(leaves):  # a pytree node the walker does not know: optree's paths
+        paths = optree.tree_paths(tree)
+        labels = ["batch" + "".join(f"[{p!r}]" for p in path) for path in paths]
+    seen: dict[int, str] = {}  # batch size -> the first leaf with it
+    for label, leaf in zip(labels, leaves, strict=True):
         if not isinstance(leaf, Tensor) or leaf.ndim <= dim:
             raise TypeError(
                 f"{where} with grad_accum_steps={k}: every leaf of the batch must be "
                 f"a tensor with a batch dim {dim} to split, got {type(leaf).__name__}"
                 + (f" of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else "")
+                + f" at {label}"
             )
-        sizes.add(leaf.shape[dim])
-    if len(sizes) != 1:
+        seen.setdefault(leaf.shape[dim], label)
+    if len(seen) != 1:
+        detail = ", ".join(f"{size} for {label}" for size, label in seen.items())
         raise ValueError(
             f"{where} with grad_accum_steps={k}: the batch tensors must share the batch "
-            f"size (dim {dim}), got sizes {sorted(sizes)}"
+            f"size (dim {dim}), got sizes {sorted(seen)} ({detail})"
         )
-    (batch_size,) = sizes
+    ((batch_size, batch_label),) = seen.items()
     if batch_size % k != 0:
         raise ValueError(
             f"{where}: batch size {batch_size} is not divisible by grad_accum_steps={k} "
-            f"(split along dim {dim}); use a batch size that is a multiple of {k}"
+            f"(split along dim {dim}, size read from {batch_label}); use a batch size that is "
+            f"a multiple of {k}"
         )
     micro = batch_size // k
     parts = [leaf.split(micro, dim=dim) for leaf in leaves]

@@ -28,7 +28,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import _call_translated
+from torchfn._checks import _call_model, _call_translated
 from torchfn.functional._core import (
     DynamicLossScaler,
     LossScaleState,
@@ -234,7 +234,10 @@ def make_train_step(
 
     ``batch = (inputs, targets)``; ``outputs, new_buffers = model_fn(params, buffers, inputs)``
     and ``loss = loss_fn(outputs, targets)`` (a 0-d tensor, mean-reduced). ``inputs`` and
-    ``targets`` are tensors or pytrees of tensors with batch dim 0 of size ``B``.
+    ``targets`` are tensors or pytrees of tensors with batch dim 0 of size ``B``. A dict of
+    inputs is passed as keywords, ``model_fn(params, buffers, **inputs)`` (Hugging Face style:
+    ``{"input_ids": (B, L), "attention_mask": (B, L)}``), like every torchfn step; a
+    ``model_fn`` that cannot take those keywords gets a ``TypeError`` saying so.
 
     - ``grad_accum_steps=k`` splits the batch into ``k`` micro-batches of ``B // k`` (``B`` must
       be divisible by ``k``) and averages their gradients, so for a mean-reduced loss the update
@@ -318,7 +321,7 @@ def make_train_step(
         def objective(p: TensorDict) -> tuple[Tensor, tuple[Tensor, TensorDict]]:
             merged = {n: p[n] if n in p else fixed[n] for n in params}
             with options.autocast(device_type):
-                outputs, new_buffers = model_fn(merged, buffers, x)
+                outputs, new_buffers = _call_model(model_fn, merged, buffers, x, "train step")
                 loss = loss_fn(outputs, y)
             if not isinstance(loss, Tensor) or loss.ndim != 0:
                 seen = (

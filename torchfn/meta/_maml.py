@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _call_translated, _check_randomness
+from torchfn._checks import _call_model, _call_translated, _check_randomness
 from torchfn.meta._second_order import second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
@@ -59,8 +59,10 @@ class MetaLearner:
     scalar mean loss. A model in training mode normalises with each task's own batch
     statistics (transductive BatchNorm, per task, as in the MAML paper). Task fields may be
     tensors or dicts (pytrees) of tensors, e.g. Hugging Face inputs
-    ``{"input_ids": (T, K, L), "attention_mask": (T, K, L)}``; ``model_fn`` gets one task's
-    field as it is (unpack it there: ``model_fn(p, b, x) = hf_fn(p, b, **x)``).
+    ``{"input_ids": (T, K, L), "attention_mask": (T, K, L)}``; like every torchfn step,
+    ``model_fn`` gets one task's dict field as keywords, ``model_fn(p, b, **x)`` (so a
+    Hugging Face model's ``make_functional`` ``model_fn`` takes it as it is), and any other
+    field (a tensor, a tuple) as one positional argument.
 
     ``randomness`` is the task ``vmap``'s (as in :func:`torch.func.vmap` and
     :func:`torchfn.ensembles.ensemble_apply`): ``"error"`` (default: refuse random ops such as
@@ -216,7 +218,8 @@ class MetaLearner:
         fast = {k: meta_params[k] for k in names}
 
         def support_loss(f: TensorDict, bufs: TensorDict) -> tuple[Tensor, TensorDict]:
-            out, new_bufs = self.model_fn(self._merge(meta_params, f), bufs, support_x)
+            out, new_bufs = _call_model(self.model_fn, self._merge(meta_params, f), bufs,
+                                        support_x, "meta-learner (support_x)")
             return self.loss_fn(out, support_y), new_bufs
 
         bufs = dict(buffers)
@@ -237,14 +240,16 @@ class MetaLearner:
     ) -> tuple[Tensor, TensorDict]:
         """Return ``(query loss after adaptation, new_buffers)`` for one task (no task dim)."""
         fast, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
-        out, bufs = self.model_fn(fast, bufs, task.query_x)
+        out, bufs = _call_model(self.model_fn, fast, bufs, task.query_x,
+                                "meta-learner (query_x)")
         return self.loss_fn(out, task.query_y), bufs
 
     def _reptile_delta(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], task: Task
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         fast, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
-        out, _ = self.model_fn(fast, bufs, task.query_x)
+        out, _ = _call_model(self.model_fn, fast, bufs, task.query_x,
+                             "meta-learner (query_x)")
         delta = {k: (meta_params[k] - fast[k]).detach() for k in self._model_names(meta_params)}
         return delta, self.loss_fn(out, task.query_y).detach(), bufs
 

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchfn._checks import _call_model, _call_translated
 from torchfn.functional import FunctionalModel, make_functional, replace_recurrent
 from torchfn.persample._ghost_grads import GhostGrads, GhostResult, Layer
 from torchfn.persample._ghost_instantiated import (
@@ -95,6 +96,7 @@ __all__ = [
 TensorDict = dict[str, Tensor]
 LossFn = Callable[[Any, Any], Tensor]
 _SHAPE_CACHE_SIZE = 64  # eager probe-shape entries kept per GhostModel (oldest dropped)
+_WHERE = "GhostModel.per_sample"
 # modules whose forward reads their children's weights without calling the children: never
 # split into a "direct" layer plus child layers (the whole module is one fallback layer)
 _WHOLE_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
@@ -168,14 +170,6 @@ def lift_inputs(inputs: Any, zero: Tensor) -> Any:
         return inputs
     lifted = [t + zero.to(t.dtype) if t.is_floating_point() else t for t in leaves]
     return fill_slots(template_of(inputs), iter(lifted))
-
-
-def call_model(model_fn: Callable[..., Any], params: Mapping[str, Tensor],
-               buffers: Mapping[str, Tensor], inputs: Any) -> tuple[Any, TensorDict]:
-    """``model_fn(params, buffers, **inputs)`` for a dict of inputs, else ``(..., inputs)``."""
-    if isinstance(inputs, Mapping):
-        return model_fn(params, buffers, **inputs)
-    return model_fn(params, buffers, inputs)
 
 
 class GhostModel:
@@ -252,14 +246,14 @@ class GhostModel:
             return self._shape_cache[key]
         tape = self._tape
         tape.reset()
-        tape.mode, tape.batch = "shape", batch_size_of(inputs, "GhostModel.per_sample")
+        tape.mode, tape.batch = "shape", batch_size_of(inputs, _WHERE)
 
         def shape_pass(dummy: Tensor) -> Tensor:
             # under grad, with a zero added to every tapped output like the probes: code that
             # branches on grad mode (torch's fused TransformerEncoder inference path reads its
             # layers' weights without calling them) takes the recording pass's branch
             tape.dummy = dummy
-            call_model(self._model_fn, params, buffers, lift_inputs(inputs, dummy))
+            _call_model(self._model_fn, params, buffers, lift_inputs(inputs, dummy), _WHERE)
             return dummy
 
         like = next(iter(params.values()), None)
@@ -270,7 +264,7 @@ class GhostModel:
                 torch.func.grad(shape_pass)(dummy)
             else:  # a real forward: keep the random streams as they were
                 with torch.random.fork_rng(devices=_cuda_devices(params)):
-                    torch.func.grad(shape_pass)(dummy)
+                    _call_translated(_WHERE, torch.func.grad(shape_pass), dummy)
             shapes = tape.shapes
         finally:
             tape.reset()
@@ -308,7 +302,7 @@ class GhostModel:
             >>> res.grads.weighted_sum(torch.ones(6))["0.weight"].shape  # the summed gradient
             torch.Size([8, 4])
         """
-        batch = batch_size_of(inputs, "GhostModel.per_sample")
+        batch = batch_size_of(inputs, _WHERE)
         specs = self._probe_specs(params, buffers, inputs)
         probes = {name: [[torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in call]
                          for call in calls] for name, calls in specs.items()}
@@ -325,8 +319,8 @@ class GhostModel:
             tape.reset()
             tape.mode, tape.probes, tape.batch = "record", probes, batch
             try:
-                outputs, new_buffers = call_model(self._model_fn, params, buffers,
-                                                  lift_inputs(inputs, lift))
+                outputs, new_buffers = _call_model(self._model_fn, params, buffers,
+                                                   lift_inputs(inputs, lift), _WHERE)
                 calls = tape.calls
             finally:
                 tape.reset()
@@ -351,8 +345,8 @@ class GhostModel:
             return losses.sum(), (losses, outputs, new_buffers, saved)
 
         try:
-            (grads, _), (losses, outputs, new_buffers, saved) = torch.func.grad(
-                objective, has_aux=True)((probes, lift))
+            (grads, _), (losses, outputs, new_buffers, saved) = _call_translated(
+                _WHERE, torch.func.grad(objective, has_aux=True), (probes, lift))
         except RuntimeError as e:
             if "Expected tensors, got unsupported type" not in str(e):
                 raise
@@ -606,7 +600,8 @@ def check_ghost_coverage(
         summed = res.grads.weighted_sum(coef)
 
         def total(p: Mapping[str, Tensor]) -> Tensor:
-            return (loss_fn(call_model(ghost, p, buffers, inputs)[0], targets) * coef).sum()
+            return (loss_fn(_call_model(ghost, p, buffers, inputs, "check_ghost_coverage")[0],
+                            targets) * coef).sum()
 
         trainable = {k: v for k, v in params.items() if k not in ghost.frozen}
         same_random_state()
