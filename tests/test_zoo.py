@@ -330,7 +330,8 @@ def check_ensemble(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     members = [_entry(name, device, dtype, seed=s) for s in (0, 1)]
     entry = members[0]
     batches = [entry.batch(B, s) for s in (0, 1)]
-    x = optree.tree_map(lambda *t: torch.stack(t), *[b[0] for b in batches])
+    # members' masks differ: under vmap HF needs the documented 4D form (the reference: 2D)
+    x = optree.tree_map(lambda *t: torch.stack(t), *[_vmappable(b[0], dtype) for b in batches])
     y = torch.stack([b[1] for b in batches])
     ens = Ensemble.from_modules([m.module for m in members])
     opt = torchopt.sgd(LR)
@@ -357,20 +358,30 @@ def check_ensemble(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
             _close(new_state.buffers[k][n].to(b.dtype), b, f"{name}: member {n} buffer {k}")
 
 
-def _tasks(entry: zoo.ZooModel, n_tasks: int = 2, k: int = 3) -> tuple[Task, list[tuple]]:
+def _vmappable(inputs: Any, dtype: torch.dtype) -> Any:
+    """HF dict inputs with the 2D mask in the 4D additive form that vmap can run (same
+    attention); anything else unchanged."""
+    if isinstance(inputs, dict) and "attention_mask" in inputs:
+        return {**inputs, "attention_mask": additive_mask(inputs["attention_mask"], dtype)}
+    return inputs
+
+
+def _tasks(entry: zoo.ZooModel, dtype: torch.dtype, n_tasks: int = 2,
+           k: int = 3) -> tuple[Task, list[tuple]]:
     raw = []
     for t in range(n_tasks):
         sx, sy = entry.batch(k, 10 + t)
         qx, qy = entry.batch(k, 20 + t)
         raw.append((sx, sy, qx, qy))
-    fields = [optree.tree_map(lambda *v: torch.stack(v), *[r[i] for r in raw]) for i in range(4)]
+    fields = [optree.tree_map(lambda *v: torch.stack(v),
+                              *[_vmappable(r[i], dtype) for r in raw]) for i in range(4)]
     return Task(*fields), raw
 
 
 def check_maml(name: str, device: str = "cpu", dtype: torch.dtype = torch.float64) -> None:
     entry = _entry(name, device, dtype)
     model_fn, params, buffers = make_functional(entry.module)
-    tasks, raw = _tasks(entry)
+    tasks, raw = _tasks(entry, dtype)
     inner_lr = 0.1
 
     def loss_fn(out: Any, t: Tensor) -> Tensor:
@@ -449,7 +460,7 @@ def test_dropout_refused_without_randomness() -> None:
 def test_dropout_maml_refused_without_randomness() -> None:
     entry = _entry("dropout_mlp")
     model_fn, params, buffers = make_functional(entry.module)
-    tasks, _ = _tasks(entry)
+    tasks, _ = _tasks(entry, torch.float64)
     learner = maml(model_fn, lambda o, t: entry.loss_fn(o, t).mean(), inner_lr=0.1)
     with pytest.raises(RuntimeError, match="randomness"):
         learner.meta_grad(params, buffers, tasks)
