@@ -311,7 +311,9 @@ def test_maml_second_order_on_cuda_attention_in_float32_matches_the_loop():
     """On CUDA float32 the flash / memory-efficient kernels would be picked; they have no
     double backward, so this fails without the math backend."""
     model_fn, params, buffers, tasks, _ = _encoder_setup(record=False)
-    params = {k: v.float().cuda() for k, v in params.items()}
+    # the same encoder, moved to CUDA float32 before make_functional (its specs hold the device)
+    model_fn, params, buffers = make_functional(
+        model_fn.to_module(params, buffers).float().cuda())
     tasks = Task(*(f.float().cuda() for f in tasks))
     got, _, _ = maml(model_fn, F.mse_loss, inner_lr=LR).meta_grad(params, buffers, tasks)
     with sdpa_kernel(SDPBackend.MATH):

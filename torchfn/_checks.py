@@ -206,6 +206,10 @@ def _is_vmap_randomness_error(exc: BaseException) -> bool:
     return _VMAP_RANDOMNESS_TEXT in str(exc)
 
 
+# torch 2.11 under vmap: checkpoint's own autograd.Function (defined in torch/utils/checkpoint.py)
+_NOOP_SAVE_INPUTS_TEXT = "You tried to vmap over _NoopSaveInputs"
+
+
 def _is_torch_checkpoint_error(exc: BaseException) -> bool:
     """Return True if ``exc`` is torch.utils.checkpoint failing inside a torch.func transform.
 
@@ -218,9 +222,11 @@ def _is_torch_checkpoint_error(exc: BaseException) -> bool:
     plain-autograd backward afterwards fails in the recomputation with "Either your tensor may
     have escaped from inside a function being vmapped ..." (``gen_vmap_plumbing``), which any
     escaped tensor raises too, so that one also counts only with checkpoint.py on the traceback.
+    Under ``vmap`` torch 2.11 says "You tried to vmap over _NoopSaveInputs" (checkpoint's own
+    Function).
     """
     text = str(exc)
-    if _SAVED_HOOKS_TEXT in text:
+    if _SAVED_HOOKS_TEXT in text or _NOOP_SAVE_INPUTS_TEXT in text:
         return True
     if _SETUP_CONTEXT_TEXT not in text and _ESCAPED_TEXT not in text:
         return False

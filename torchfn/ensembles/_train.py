@@ -20,6 +20,7 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
@@ -237,7 +238,11 @@ def make_ensemble_train_step(
         # less Python overhead per step (no functorch grad level to wrap and unwrap).
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         with torch.enable_grad():
-            with options.autocast(_device_type(params, fixed)):
+            # attention through the math kernel: the fused CUDA kernels' backward cannot take
+            # the batched layout vmap leaves on their saved tensors ("LSE is not correctly
+            # aligned"), and the CPU flash kernel has no batching rule (a per-member loop)
+            with (options.autocast(_device_type(params, fixed)),
+                  sdpa_kernel(SDPBackend.MATH)):
                 losses, new_buffers = vmapped_loss({**fixed, **leaves}, buffers, x, y)
             gs = torch.autograd.grad((losses * scale).sum(), list(leaves.values()),
                                      allow_unused=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import difflib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +132,20 @@ class FunctionalModel:
         module = copy.deepcopy(self._module)  # meta placeholders: cheap
         module.train(mode)
         return FunctionalModel(module, self._layout)
+
+    def modules(self) -> Iterator[nn.Module]:
+        """Return an iterator over the private module copy's modules (inspection only).
+
+        Their parameters and buffers are ``meta`` placeholders; use it to ask which layer
+        types the model holds, never to compute.
+
+        Example::
+
+            >>> model_fn, _, _ = make_functional(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+            >>> [type(m).__name__ for m in model_fn.modules()]
+            ['Sequential', 'Linear', 'ReLU']
+        """
+        return self._module.modules()
 
     def eval(self) -> FunctionalModel:
         """Return a new FunctionalModel in eval mode (``self.train(False)``)."""

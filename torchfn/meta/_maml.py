@@ -37,7 +37,7 @@ from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _check_randomness
-from torchfn.meta._second_order import second_order_context
+from torchfn.meta._second_order import may_use_layer_norm, second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
 __all__ = ["LR_PREFIX", "MetaLearner", "anil", "fomaml", "maml", "meta_sgd", "reptile"]
@@ -117,6 +117,7 @@ class MetaLearner:
         if inner_lr is None:
             inner_lr = _DEFAULT_INNER_LR
         self.model_fn = model_fn
+        self._layer_norm = may_use_layer_norm(model_fn)
         self.loss_fn = loss_fn
         self.inner_steps = inner_steps
         self.inner_lr = inner_lr
@@ -142,7 +143,7 @@ class MetaLearner:
         """Second order: the math SDPA backend and a composite layer norm (_second_order.py)."""
         if self.first_order:
             return contextlib.nullcontext()
-        return second_order_context()
+        return second_order_context(layer_norm=self._layer_norm)
 
     def _task_vmap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return vmap(fn, in_dims=(None, None, 0), randomness=self.randomness)

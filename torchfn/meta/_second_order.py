@@ -29,6 +29,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from torchfn.functional import FunctionalModel
+
 __all__: list[str] = []
 
 
@@ -67,7 +69,27 @@ class _CompositeLayerNorm(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def second_order_context() -> Iterator[None]:
-    """Run a second-order meta-gradient: math SDPA backend, composite layer norm."""
-    with sdpa_kernel(SDPBackend.MATH), _CompositeLayerNorm():
+def second_order_context(layer_norm: bool = True) -> Iterator[None]:
+    """Run a second-order meta-gradient: math SDPA backend, composite layer norm.
+
+    ``layer_norm=False`` leaves out the layer-norm mode, for models known to have no layer norm
+    (:func:`may_use_layer_norm`): a ``TorchFunctionMode`` sees every torch call, and Dynamo
+    cannot trace some of them through it (``Tensor.unflatten``'s ``super()`` call).
+    """
+    with sdpa_kernel(SDPBackend.MATH), (_CompositeLayerNorm() if layer_norm
+                                        else contextlib.nullcontext()):
         yield
+
+
+def may_use_layer_norm(model_fn: Any) -> bool:
+    """False only for a model whose modules are known and hold no layer norm.
+
+    A :class:`torchfn.functional.FunctionalModel` is inspected (``nn.LayerNorm``, subclasses,
+    and any module whose class name says LayerNorm, e.g. Hugging Face's); any other callable
+    may call ``F.layer_norm`` anywhere, so it counts as using one.
+    """
+    modules = getattr(model_fn, "modules", None)
+    if not isinstance(model_fn, FunctionalModel) or modules is None:
+        return True
+    return any(isinstance(m, torch.nn.LayerNorm) or "layernorm" in type(m).__name__.lower()
+               for m in modules())
