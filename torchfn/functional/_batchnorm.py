@@ -16,6 +16,8 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from torchfn.functional._swap import restore_modules_, swap_modules_
+
 __all__ = ["BatchNorm", "functional_batch_norm", "replace_batchnorm"]
 
 _TORCH_BATCHNORMS: dict[type[nn.Module], int] = {
@@ -332,34 +334,12 @@ def _swap_batchnorm_(module: nn.Module) -> tuple[nn.Module, list[str]]:
     Returns ``(root, swapped_paths)``: ``root`` is ``module`` or, if ``module`` itself is a
     batch norm, its replacement. Parameter/buffer objects are moved, not copied.
     """
-    if type(module) in _TORCH_BATCHNORMS:
-        return BatchNorm.from_torch(module), [""]
-    swapped: list[str] = []
-    done: dict[int, nn.Module] = {}  # a batch norm shared by two parents stays one module
-    for path, parent in list(module.named_modules(remove_duplicate=False)):
-        for child_name, child in list(parent._modules.items()):
-            if child is not None and type(child) in _TORCH_BATCHNORMS:
-                if id(child) not in done:
-                    done[id(child)] = BatchNorm.from_torch(child)
-                parent._modules[child_name] = done[id(child)]
-                swapped.append(f"{path}.{child_name}" if path else child_name)
-    return module, swapped
+    return swap_modules_(module, dict.fromkeys(_TORCH_BATCHNORMS, BatchNorm.from_torch))
 
 
 def _restore_batchnorm_(module: nn.Module, paths: list[str]) -> nn.Module:
     """Inverse of :func:`_swap_batchnorm_` for the given module paths; returns the root."""
-    done: dict[int, nn.Module] = {}
-    for path in paths:
-        if path == "":
-            return module.to_torch()  # type: ignore[operator]
-        parent_path, _, child_name = path.rpartition(".")
-        parent = module.get_submodule(parent_path)
-        child = parent._modules[child_name]
-        if isinstance(child, BatchNorm):
-            if id(child) not in done:
-                done[id(child)] = child.to_torch()
-            parent._modules[child_name] = done[id(child)]
-    return module
+    return restore_modules_(module, paths, BatchNorm)
 
 
 def replace_batchnorm(module: nn.Module) -> nn.Module:

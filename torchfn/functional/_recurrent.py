@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from torchfn.functional._swap import restore_modules_, swap_modules_
+
 __all__ = ["GRU", "LSTM", "RNN", "recurrent_forward", "replace_recurrent", "restore_recurrent"]
 
 _GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "LSTM": 4, "GRU": 3}
@@ -494,35 +496,12 @@ def _swap_recurrent_(module: nn.Module) -> tuple[nn.Module, list[str]]:
     Returns ``(root, swapped_paths)``: ``root`` is ``module`` or, if ``module`` itself is a
     recurrent layer, its replacement. Parameter objects are moved, not copied.
     """
-    if type(module) in _BY_TORCH:
-        return _BY_TORCH[type(module)].from_torch(module), [""]
-    swapped: list[str] = []
-    done: dict[int, nn.Module] = {}  # a layer shared by two parents stays one module
-    for path, parent in list(module.named_modules(remove_duplicate=False)):
-        for child_name, child in list(parent._modules.items()):
-            if child is not None and type(child) in _BY_TORCH:
-                if id(child) not in done:
-                    done[id(child)] = _BY_TORCH[type(child)].from_torch(child)
-                parent._modules[child_name] = done[id(child)]
-                swapped.append(f"{path}.{child_name}" if path else child_name)
-    return module, swapped
+    return swap_modules_(module, {t: twin.from_torch for t, twin in _BY_TORCH.items()})
 
 
 def _restore_recurrent_(module: nn.Module, paths: list[str]) -> nn.Module:
     """Inverse of :func:`_swap_recurrent_` for the given module paths; returns the root."""
-    done: dict[int, nn.Module] = {}
-    for path in paths:
-        if path == "":
-            assert isinstance(module, _RecurrentBase)
-            return module.to_torch()
-        parent_path, _, child_name = path.rpartition(".")
-        parent = module.get_submodule(parent_path)
-        child = parent._modules[child_name]
-        if isinstance(child, _RecurrentBase):
-            if id(child) not in done:
-                done[id(child)] = child.to_torch()
-            parent._modules[child_name] = done[id(child)]
-    return module
+    return restore_modules_(module, paths, _RecurrentBase)
 
 
 def replace_recurrent(module: nn.Module) -> nn.Module:
