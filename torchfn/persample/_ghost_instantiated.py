@@ -7,6 +7,8 @@
 - any other parameterised layer (:class:`FallbackRule`): a ``vjp`` of the layer's own forward
   at each sample's inputs with that sample's ``g``, under ``vmap`` (``randomness="error"``:
   the layer is recomputed, so it must be deterministic).
+- the parameters a module owns beside child layers (:class:`DirectRule`, kind ``"direct"``):
+  the same per-sample ``vjp``, with respect to those parameters only.
 
 :func:`rule_for` picks the rule of a module (exact built-in types -- also
 ``nn.MultiheadAttention(batch_first=True)`` with fused QKV weights, whose projections get
@@ -194,6 +196,21 @@ def _is_hf_conv1d(t: type) -> bool:
     """Whether ``t`` is HF transformers' ``Conv1D`` (recognised by name: torchfn does not
     import transformers; the class is exact, its forward ``x @ W + b`` with ``W (nx, nf)``)."""
     return t.__module__ == "transformers.pytorch_utils" and t.__qualname__ == "Conv1D"
+
+
+class DirectRule(FallbackRule):
+    """The parameters a module owns directly, beside child layers that keep their own rules.
+
+    The module's tap records its calls and output gradients (its children's taps record in
+    the same pass); the direct parameters' per-sample gradients are a per-sample ``vjp`` of
+    the module's own forward with respect to them only, under ``vmap`` (the children run
+    untapped, with their parameters as constants): exact, and the children stay ghost.
+    """
+
+    kind = "direct"
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Nothing to refuse: the children are checked as layers of their own."""
 
 
 def rule_for(module: nn.Module, fallback_chunk_size: int | None = None,

@@ -61,7 +61,7 @@ from torchfn._checks import _call_model, _call_translated
 from torchfn.functional import FunctionalModel, make_functional, replace_recurrent
 from torchfn.persample._ghost_grads import GhostGrads, GhostResult, Layer
 from torchfn.persample._ghost_instantiated import (
-    FallbackRule,
+    DirectRule,
     refuse_batchnorm_training,
     rule_for,
 )
@@ -75,8 +75,10 @@ from torchfn.persample._ghost_layers import (
 from torchfn.persample._ghost_tape import (
     Tap,
     Tape,
+    batch_size_of,
     fill_slots,
     input_signature,
+    lift_inputs,
     template_of,
     tensors_of,
     to_meta_,
@@ -100,76 +102,6 @@ _WHERE = "GhostModel.per_sample"
 # modules whose forward reads their children's weights without calling the children: never
 # split into a "direct" layer plus child layers (the whole module is one fallback layer)
 _WHOLE_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-
-
-class DirectRule(FallbackRule):
-    """The parameters a module owns directly, beside child layers that keep their own rules.
-
-    The module's tap records its calls and output gradients (its children's taps record in
-    the same pass); the direct parameters' per-sample gradients are a per-sample ``vjp`` of
-    the module's own forward with respect to them only, under ``vmap`` (the children run
-    untapped, with their parameters as constants): exact, and the children stay ghost.
-    """
-
-    kind = "direct"
-
-    def check(self, module: nn.Module, name: str) -> None:
-        """Nothing to refuse: the children are checked as layers of their own."""
-
-
-def _tensor_leaves(obj: Any, path: str, out: list[tuple[str, Tensor]]
-                   ) -> list[tuple[str, Tensor]]:
-    """``(path, tensor)`` for every tensor in a nest of tuples/lists/dicts (depth first)."""
-    if isinstance(obj, Tensor):
-        out.append((path, obj))
-    elif isinstance(obj, (tuple, list)):
-        for i, x in enumerate(obj):
-            _tensor_leaves(x, f"{path}[{i}]", out)
-    elif isinstance(obj, Mapping):
-        for k, x in obj.items():
-            _tensor_leaves(x, f"{path}[{k!r}]", out)
-    return out
-
-
-def batch_size_of(inputs: Any, where: str) -> int:
-    """Return ``B``: every tensor of ``inputs`` has ``B`` (or 1: shared by the batch) in dim 0.
-
-    0-d tensors and non-tensors are ignored. Raises ``ValueError`` naming the first tensor
-    (path and shape) that disagrees.
-    """
-    leaves = [(p, t) for p, t in _tensor_leaves(inputs, "inputs", []) if t.dim() > 0]
-    if not leaves:
-        raise ValueError(f"{where}: inputs must hold at least one tensor with the batch in "
-                         f"dim 0, got {type(inputs).__name__} without one")
-    first, t0 = leaves[0]
-    for path, t in leaves[1:]:  # the first of the largest dim 0 (no max(key=): Dynamo)
-        if t.shape[0] > t0.shape[0]:
-            first, t0 = path, t
-    batch = t0.shape[0]
-    for path, t in leaves:
-        if t.shape[0] not in (batch, 1):
-            raise ValueError(
-                f"{where}: {path} has shape {tuple(t.shape)}, but {first} has batch size "
-                f"{batch} in dim 0 (shape {tuple(t0.shape)}); every tensor of inputs must "
-                "have the batch in dim 0 (or 1 for a tensor shared by the batch, which the "
-                "model then broadcasts)"
-            )
-    return batch
-
-
-def lift_inputs(inputs: Any, zero: Tensor) -> Any:
-    """``inputs`` with a differentiated 0-d ``zero`` added to every floating tensor.
-
-    Same numbers; it makes the inputs depend on what the ghost passes differentiate, so code
-    that branches on ``requires_grad`` (torch's fused ``nn.TransformerEncoderLayer`` inference
-    path reads its layers' weights without calling them when no input needs a gradient) takes
-    the branch that calls every tapped layer.
-    """
-    leaves = tensors_of(inputs, [])
-    if not any(t.is_floating_point() for t in leaves):
-        return inputs
-    lifted = [t + zero.to(t.dtype) if t.is_floating_point() else t for t in leaves]
-    return fill_slots(template_of(inputs), iter(lifted))
 
 
 class GhostModel:

@@ -17,6 +17,10 @@ layer's rule then sees per-sample data. This is exact provided the output is onl
 against batch-``B`` tensors downstream (as an ``(1, ...)`` tensor would be); an output that is
 indexed or reduced over its dim 0 instead gets its gradient misattributed between samples,
 which :func:`check_ghost_coverage` detects (it compares a randomly weighted sum).
+
+Inputs: :func:`batch_size_of` reads ``B`` from the model inputs (a tensor, tuple or dict;
+every tensor has ``B`` or 1 in dim 0) and :func:`lift_inputs` adds a differentiated zero to
+their floating tensors, so both passes take the branches a differentiated forward takes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 import optree
 import torch
 from torch import Tensor, nn
+
+from torchfn._checks import _leaves_with_paths
 
 __all__: list[str] = []  # private to torchfn.persample._ghost_norms
 
@@ -239,3 +245,45 @@ def to_meta_(module: nn.Module, memo: dict[int, Tensor]) -> None:
                     memo[id(t)] = (nn.Parameter(meta, requires_grad=t.requires_grad)
                                    if isinstance(t, nn.Parameter) else meta)
                 slots[name] = memo[id(t)]
+
+
+def batch_size_of(inputs: Any, where: str) -> int:
+    """Return ``B``: every tensor of ``inputs`` has ``B`` (or 1: shared by the batch) in dim 0.
+
+    0-d tensors and non-tensors are ignored. Raises ``ValueError`` naming the first tensor
+    (path and shape) that disagrees.
+    """
+    leaves = [(p, t) for p, t in _leaves_with_paths(inputs, "inputs")
+              if isinstance(t, Tensor) and t.dim() > 0]
+    if not leaves:
+        raise ValueError(f"{where}: inputs must hold at least one tensor with the batch in "
+                         f"dim 0, got {type(inputs).__name__} without one")
+    first, t0 = leaves[0]
+    for path, t in leaves[1:]:  # the first of the largest dim 0 (no max(key=): Dynamo)
+        if t.shape[0] > t0.shape[0]:
+            first, t0 = path, t
+    batch = t0.shape[0]
+    for path, t in leaves:
+        if t.shape[0] not in (batch, 1):
+            raise ValueError(
+                f"{where}: {path} has shape {tuple(t.shape)}, but {first} has batch size "
+                f"{batch} in dim 0 (shape {tuple(t0.shape)}); every tensor of inputs must "
+                "have the batch in dim 0 (or 1 for a tensor shared by the batch, which the "
+                "model then broadcasts)"
+            )
+    return batch
+
+
+def lift_inputs(inputs: Any, zero: Tensor) -> Any:
+    """``inputs`` with a differentiated 0-d ``zero`` added to every floating tensor.
+
+    Same numbers; it makes the inputs depend on what the ghost passes differentiate, so code
+    that branches on ``requires_grad`` (torch's fused ``nn.TransformerEncoderLayer`` inference
+    path reads its layers' weights without calling them when no input needs a gradient) takes
+    the branch that calls every tapped layer.
+    """
+    leaves = tensors_of(inputs, [])
+    if not any(t.is_floating_point() for t in leaves):
+        return inputs
+    lifted = [t + zero.to(t.dtype) if t.is_floating_point() else t for t in leaves]
+    return fill_slots(template_of(inputs), iter(lifted))
