@@ -7,6 +7,7 @@ here when more than one package needs it. Nothing here is public API.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +39,24 @@ def _resolve_seed(seed: int | torch.Generator, owner: str) -> int:
             f"{owner}(seed=...): expected an int or a torch.Generator, got {type(seed).__name__}"
         )
     return seed
+
+
+_NO_PART = contextlib.nullcontext()
+
+
+def _part(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Return a ``torch.profiler.record_function(name)`` context that names a part of a step
+    in profiler traces (``"torchfn.clip"``, ``"torchfn.inner_loop"``, ...), or a null context.
+
+    Null while compiling (Dynamo ignores ``record_function`` and logs that it does; a compiled
+    step shows as its compiled regions instead) and while no profiler runs: a
+    ``record_function`` costs a dispatcher call (several microseconds) even then, so the
+    check keeps the annotations free. ``torch._C._autograd._profiler_enabled`` is private; no
+    public query of the profiler state exists in torch 2.13, and this is its one use.
+    """
+    if torch.compiler.is_compiling() or not torch._C._autograd._profiler_enabled():
+        return _NO_PART
+    return torch.profiler.record_function(name)
 
 
 def _check_rank(world_size: int, rank: int, owner: str) -> None:

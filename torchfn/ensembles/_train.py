@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
-from torchfn._checks import _call_model, _call_translated, _replace
+from torchfn._checks import _call_model, _call_translated, _part, _replace
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
 from torchfn.functional import (
     DynamicLossScaler,
@@ -280,17 +280,19 @@ def make_ensemble_train_step(
         with step_rng(state) if use_rng else contextlib.nullcontext():
             grad_fn = autograd_grads if plain_autograd_ok(state.params) else vmapped
             for mx, my in micro:
-                g, loss, buffers = _call_translated(where, grad_fn, train, fixed, buffers, mx,
-                                                    my, scale)
+                with _part("torchfn.forward_backward"):
+                    g, loss, buffers = _call_translated(where, grad_fn, train, fixed, buffers,
+                                                        mx, my, scale)
                 grads = g if grads is None else {kk: grads[kk] + g[kk] for kk in grads}
                 losses.append(loss)
         assert grads is not None
         loss = losses[0] if k == 1 else torch.stack(losses).mean(0)
         if k > 1:
             grads = {kk: v / k for kk, v in grads.items()}
-        new_state, metrics = apply_gradients(optimizer, grads, state, options=options,
-                                             trainable=names, loss=loss, buffers=buffers,
-                                             per_member=True, where=where)
+        with _part("torchfn.apply_gradients"):
+            new_state, metrics = apply_gradients(optimizer, grads, state, options=options,
+                                                 trainable=names, loss=loss, buffers=buffers,
+                                                 per_member=True, where=where)
         if not grad_norm:
             del metrics["grad_norm"]
         return new_state, metrics

@@ -31,7 +31,7 @@ from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 from torchopt.update import apply_updates
 
-from torchfn._checks import _leaves_with_paths, _replace
+from torchfn._checks import _leaves_with_paths, _part, _replace
 
 __all__ = [
     "DynamicLossScaler",
@@ -483,30 +483,34 @@ def apply_gradients(
     leaves = list(g.values())
     finite: Tensor | None = None
     if opts.guard and leaves:
-        finite = _finite(leaves, per_member)
-        if loss is not None:
-            finite = finite & torch.isfinite(loss.detach())
-    grad_norm = _norm(leaves, per_member)
-    if finite is not None:
-        g = {k: torch.where(_member_view(finite, t), t, torch.zeros_like(t)) for k, t in g.items()}
-    if opts.clip_value is not None:
-        v = float(opts.clip_value)
-        g = {k: t.clamp(-v, v) for k, t in g.items()}
-    if opts.max_grad_norm is not None and leaves:
-        if finite is None and opts.clip_value is None:
-            norm = grad_norm
-        else:
-            norm = _norm(list(g.values()), per_member)
-        coef = torch.clamp(opts.max_grad_norm / (norm + 1e-6), max=1.0)
-        g = _scale_tree(g, coef, per_member)
+        with _part("torchfn.nonfinite_guard"):
+            finite = _finite(leaves, per_member)
+            if loss is not None:
+                finite = finite & torch.isfinite(loss.detach())
+    with _part("torchfn.clip"):
+        grad_norm = _norm(leaves, per_member)
+        if finite is not None:
+            g = {k: torch.where(_member_view(finite, t), t, torch.zeros_like(t))
+                 for k, t in g.items()}
+        if opts.clip_value is not None:
+            v = float(opts.clip_value)
+            g = {k: t.clamp(-v, v) for k, t in g.items()}
+        if opts.max_grad_norm is not None and leaves:
+            if finite is None and opts.clip_value is None:
+                norm = grad_norm
+            else:
+                norm = _norm(list(g.values()), per_member)
+            coef = torch.clamp(opts.max_grad_norm / (norm + 1e-6), max=1.0)
+            g = _scale_tree(g, coef, per_member)
 
     if _opt_covers_all(state.opt_state, params, names, where):
         g_in = {k: g[k] if k in g else torch.zeros_like(v) for k, v in params.items()}
         p_in = dict(params)
     else:
         g_in, p_in = g, {k: params[k] for k in names}
-    updates, opt_state = optimizer.update(g_in, state.opt_state, params=p_in, inplace=False)
-    updated = apply_updates(p_in, updates, inplace=False)
+    with _part("torchfn.optimizer"):
+        updates, opt_state = optimizer.update(g_in, state.opt_state, params=p_in, inplace=False)
+        updated = apply_updates(p_in, updates, inplace=False)
     new_params = {k: updated[k] if k in g else v for k, v in params.items()}
     new_buffers = dict(buffers) if buffers is not None else state.buffers
 
@@ -515,9 +519,10 @@ def apply_gradients(
         metrics["loss"] = loss.detach()
     fields: dict[str, Any] = {}
     if finite is not None:
-        new_params = _keep_if(finite, new_params, params)
-        new_buffers = _keep_if(finite, new_buffers, state.buffers)
-        opt_state = _keep_if(finite, opt_state, state.opt_state)
+        with _part("torchfn.nonfinite_guard"):
+            new_params = _keep_if(finite, new_params, params)
+            new_buffers = _keep_if(finite, new_buffers, state.buffers)
+            opt_state = _keep_if(finite, opt_state, state.opt_state)
         metrics["skipped"] = ~finite
         if skipped is not None:
             fields["skipped"] = skipped + (~finite).to(skipped.dtype)

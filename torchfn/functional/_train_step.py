@@ -28,7 +28,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import _call_model, _call_translated
+from torchfn._checks import _call_model, _call_translated, _part
 from torchfn.functional._core import (
     DynamicLossScaler,
     LossScaleState,
@@ -355,8 +355,9 @@ def make_train_step(
         losses = []
         with ctx:
             for x, y in micro_batches:
-                g, loss, buffers = _call_translated(
-                    "train step", micro_step, state.params, names, buffers, x, y, scale)
+                with _part("torchfn.forward_backward"):
+                    g, loss, buffers = _call_translated(
+                        "train step", micro_step, state.params, names, buffers, x, y, scale)
                 grads = g if grads is None else optree.tree_map(torch.add, grads, g)
                 losses.append(loss)
         assert grads is not None
@@ -365,8 +366,9 @@ def make_train_step(
             grads = optree.tree_map(lambda t: t / k, grads)
         if grad_transform is not None:
             grads = grad_transform(grads)
-        return apply_gradients(optimizer, grads, state, options=options, trainable=names,
-                               loss=loss, buffers=buffers, where="train step")
+        with _part("torchfn.apply_gradients"):
+            return apply_gradients(optimizer, grads, state, options=options, trainable=names,
+                                   loss=loss, buffers=buffers, where="train step")
 
     return step
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _call_model, _call_translated, _check_randomness
+from torchfn._checks import _call_model, _call_translated, _check_randomness, _part
 from torchfn.meta._second_order import may_use_layer_norm, second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
@@ -225,15 +225,16 @@ class MetaLearner:
 
         bufs = dict(buffers)
         state = self.inner_opt.init(fast)
-        for _ in range(self.inner_steps):
-            g, bufs = grad(support_loss, has_aux=True)(fast, bufs)
-            if self.first_order:
-                g = {k: v.detach() for k, v in g.items()}
-            updates, state = self.inner_opt.update(g, state, params=fast, inplace=False)
-            if self.learn_inner_lr:
-                fast = {k: fast[k] + meta_params[LR_PREFIX + k] * updates[k] for k in fast}
-            else:
-                fast = {k: fast[k] + updates[k] for k in fast}
+        with _part("torchfn.inner_loop"):
+            for _ in range(self.inner_steps):
+                g, bufs = grad(support_loss, has_aux=True)(fast, bufs)
+                if self.first_order:
+                    g = {k: v.detach() for k, v in g.items()}
+                updates, state = self.inner_opt.update(g, state, params=fast, inplace=False)
+                if self.learn_inner_lr:
+                    fast = {k: fast[k] + meta_params[LR_PREFIX + k] * updates[k] for k in fast}
+                else:
+                    fast = {k: fast[k] + updates[k] for k in fast}
         return self._merge(meta_params, fast), bufs
 
     def task_loss(
@@ -359,9 +360,10 @@ class MetaLearner:
                         return loss * loss_scale, (loss.detach(), buf_t)
                     return loss, (loss.detach(), buf_t)
 
-                g, (_, (lsum, buf_t)) = grad_and_value(chunk_loss, has_aux=True)(
-                    {k: meta_params[k] for k in names}
-                )
+                with _part("torchfn.outer_grad"):
+                    g, (_, (lsum, buf_t)) = grad_and_value(chunk_loss, has_aux=True)(
+                        {k: meta_params[k] for k in names}
+                    )
             bufs.append(buf_t)
             total = g if total is None else {k: total[k] + g[k] for k in total}
             loss_sum = lsum if loss_sum is None else loss_sum + lsum

@@ -11,6 +11,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
+from torchfn._checks import _part
 from torchfn.functional import (
     DynamicLossScaler,
     StepOptions,
@@ -172,7 +173,8 @@ def make_meta_train_step(
         buffers = bufs[0] if k == 1 else _mean_buffers(bufs)
         if grad_transform is not None:
             grads = grad_transform(grads)
-        return apply_gradients(optimizer, grads, state, options=options, trainable=names,
-                               loss=loss, buffers=buffers, where="meta train step")
+        with _part("torchfn.apply_gradients"):
+            return apply_gradients(optimizer, grads, state, options=options, trainable=names,
+                                   loss=loss, buffers=buffers, where="meta train step")
 
     return step

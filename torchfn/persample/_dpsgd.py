@@ -45,7 +45,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import _compile_kwargs, _replace
+from torchfn._checks import _compile_kwargs, _part, _replace
 from torchfn.functional import (
     DynamicLossScaler,
     LossScaleState,
@@ -231,7 +231,7 @@ class DPTrainStep:
                 losses = self._loss_fn(outputs, targets).float()
                 return losses * scale if scale is not None else losses
         device_type = _first(state.params).device.type
-        with opts.autocast(device_type):
+        with opts.autocast(device_type), _part("torchfn.ghost_pass"):
             res = self._ghost.per_sample(state.params, state.buffers, inputs, targets,
                                          loss_fn, bookkeeping=True)
         for k, v in res.new_buffers.items():
@@ -250,30 +250,31 @@ class DPTrainStep:
         if valid.shape != losses.shape:
             raise ValueError(f"DP-SGD step: valid must have shape {tuple(losses.shape)} (one "
                              f"flag per example of the batch), got {tuple(valid.shape)}")
-        mask = valid.to(losses.dtype)
-        if self.layer_thresholds is None:
-            norm = res.grads.sq_norms().clamp_min(0).sqrt().to(mask.dtype)
-            if inv is not None:
-                norm = norm * inv
-            coef = mask * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            clipped = (mask * (norm > self.max_grad_norm).to(mask.dtype)).sum()
-            grads = res.grads.weighted_sum(coef if inv is None else coef * inv)
-        else:
-            per_layer = res.grads.sq_norms(per_layer=True)
-            assert isinstance(per_layer, dict)
-            coefs, clipped, total_sq = {}, mask.new_zeros(()), mask.new_zeros(mask.shape)
-            for name, c in self.layer_thresholds.items():
-                sq = per_layer[name].to(mask.dtype)
+        with _part("torchfn.clipped_sum"):
+            mask = valid.to(losses.dtype)
+            if self.layer_thresholds is None:
+                norm = res.grads.sq_norms().clamp_min(0).sqrt().to(mask.dtype)
                 if inv is not None:
-                    sq = sq * inv * inv
-                n = sq.clamp_min(0).sqrt()
-                coefs[name] = mask * torch.clamp(c / (n + 1e-6), max=1.0)
-                if inv is not None:
-                    coefs[name] = coefs[name] * inv
-                clipped = clipped + (mask * (n > c).to(mask.dtype)).sum()
-                total_sq = total_sq + sq
-            norm = total_sq.clamp_min(0).sqrt()
-            grads = res.grads.weighted_sum(coefs)
+                    norm = norm * inv
+                coef = mask * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+                clipped = (mask * (norm > self.max_grad_norm).to(mask.dtype)).sum()
+                grads = res.grads.weighted_sum(coef if inv is None else coef * inv)
+            else:
+                per_layer = res.grads.sq_norms(per_layer=True)
+                assert isinstance(per_layer, dict)
+                coefs, clipped, total_sq = {}, mask.new_zeros(()), mask.new_zeros(mask.shape)
+                for name, c in self.layer_thresholds.items():
+                    sq = per_layer[name].to(mask.dtype)
+                    if inv is not None:
+                        sq = sq * inv * inv
+                    n = sq.clamp_min(0).sqrt()
+                    coefs[name] = mask * torch.clamp(c / (n + 1e-6), max=1.0)
+                    if inv is not None:
+                        coefs[name] = coefs[name] * inv
+                    clipped = clipped + (mask * (n > c).to(mask.dtype)).sum()
+                    total_sq = total_sq + sq
+                norm = total_sq.clamp_min(0).sqrt()
+                grads = res.grads.weighted_sum(coefs)
         return ClippedSum(grads=grads, count=mask.sum(), loss_sum=(losses * mask).sum(),
                           clipped=clipped, norm_sum=(norm * mask).sum())
 
@@ -282,18 +283,20 @@ class DPTrainStep:
         names = self._options.trainable_names(state.params, frozen)
         noised = [k for k in total.grads if k in names]
         sizes = [total.grads[k].numel() for k in noised]
-        flat = normal(state.key, (sum(sizes),), torch.float64).split(sizes)
-        grads = {}
-        for name, z in zip(noised, flat, strict=True):
-            g = total.grads[name].to(state.params[name].dtype)
-            noise = z.reshape(g.shape).to(g.dtype)
-            grads[name] = (g + self.noise_std * noise) / self.expected_batch_size
+        with _part("torchfn.noise"):
+            flat = normal(state.key, (sum(sizes),), torch.float64).split(sizes)
+            grads = {}
+            for name, z in zip(noised, flat, strict=True):
+                g = total.grads[name].to(state.params[name].dtype)
+                noise = z.reshape(g.shape).to(g.dtype)
+                grads[name] = (g + self.noise_std * noise) / self.expected_batch_size
         denom = torch.clamp(total.count, min=1.0)
         loss = total.loss_sum / denom
         # the clipped sum is unscaled already (per sample, before clipping): no second unscale
-        new_state, core = apply_gradients(self._optimizer, grads, state, options=self._options,
-                                          trainable=noised, loss=loss, unscale=False,
-                                          where="DP-SGD step")
+        with _part("torchfn.apply_gradients"):
+            new_state, core = apply_gradients(self._optimizer, grads, state,
+                                              options=self._options, trainable=noised,
+                                              loss=loss, unscale=False, where="DP-SGD step")
         n_layers = len(self.layer_thresholds) if self.layer_thresholds is not None else 1
         metrics = {
             "loss": loss,
