@@ -157,9 +157,13 @@ def test_top_level_lists_every_package() -> None:
         assert f":mod:`torchfn.{name}`" in (torchfn.__doc__ or "")
 
 
-def test_compile_exports_exactly_three_names() -> None:
-    assert sorted(torchfn.compile.__all__) == ["inductor_options", "make_graphed_step",
-                                               "unfold_convs"]
+def test_compile_exports_exactly_seven_names() -> None:
+    """torchfn.compile's public surface is fixed: the three compile helpers, plus the profiling
+    helpers of issue 18 (profile_step, memory_snapshot, and the StepProfile / OpTime results
+    profile_step returns, public so users can type and read them)."""
+    assert sorted(torchfn.compile.__all__) == ["OpTime", "StepProfile", "inductor_options",
+                                               "make_graphed_step", "memory_snapshot",
+                                               "profile_step", "unfold_convs"]
 
 
 MOVED = [
