@@ -1,6 +1,6 @@
 """Profiling helpers (torchfn.compile.profile_step, memory_snapshot) and the steps' annotations.
 
-profile_step on a small train, DP-SGD and MAML step reports the step's named parts, positive
+profile_step on a small train, DP-SGD, MAML and ensemble step reports the step's named parts, positive
 times and a valid Chrome trace at the given path (the part names in its events); a compiled
 step profiles without graph breaks or recompiles; the annotations are null contexts when no
 profiler runs; bad arguments give errors naming the argument; memory_snapshot refuses without
@@ -23,6 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from torchfn._checks import _part
 from torchfn.compile import StepProfile, memory_snapshot, profile_step
+from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
 from torchfn.functional import init_train_state, make_train_step
 from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
 from torchfn.optim import adam
@@ -122,6 +123,17 @@ def test_meta_step_profile_shows_inner_loop_and_outer_grad() -> None:
     inner = next(p for p in prof.parts if p.name == "torchfn.inner_loop")
     outer = next(p for p in prof.parts if p.name == "torchfn.outer_grad")
     assert outer.host_ms >= inner.host_ms  # the outer gradient runs the inner loop inside it
+
+
+def test_ensemble_step_profile_shows_its_parts() -> None:
+    ens = Ensemble.from_seeds(lambda: nn.Linear(3, 1), seeds=range(2))
+    opt = torchopt.sgd(0.1)
+    state = init_ensemble_state(ens, opt, seed=0)
+    step = make_ensemble_train_step(ens.model_fn, F.mse_loss, opt, max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(2, 8, 3, generator=g), torch.randn(2, 8, 1, generator=g))
+    prof = profile_step(step, state, batch, warmup=1, steps=1)
+    check_profile(prof, TRAIN_PARTS, 1)
 
 
 def test_compiled_step_profiles_without_graph_breaks_or_recompiles() -> None:

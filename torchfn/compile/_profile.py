@@ -87,11 +87,12 @@ class StepProfile:
         summary = [f"wall {self.wall_ms:.3f} ms (median)", f"host (ops) {self.host_ms:.3f} ms",
                    (f"device (kernels) {self.device_ms:.3f} ms" if self.device_ms is not None
                     else "device: none (CPU)")]
-        if self.peak_memory_bytes is not None:
-            summary.append(f"peak memory {_fmt_bytes(self.peak_memory_bytes)}")
-        else:
-            summary.append("peak memory: not tracked on the CPU")
         lines.append("  " + " | ".join(summary))
+        if self.peak_memory_bytes is not None:
+            lines.append(f"  peak memory {_fmt_bytes(self.peak_memory_bytes)} "
+                         "(torch.cuda.max_memory_allocated)")
+        else:
+            lines.append("  peak memory: not tracked on the CPU")
 
         def rows(title: str, items: tuple[OpTime, ...]) -> None:
             head = f"  {title:<{_NAME_WIDTH}} {'calls':>7} {'host ms':>9}"
@@ -104,7 +105,7 @@ class StepProfile:
                 lines.append(row)
 
         if self.parts:
-            rows("step parts", self.parts)
+            rows("step parts (inclusive; parts nest)", self.parts)
         else:
             lines.append("  step parts: none recorded (a compiled step shows as compiled regions)")
         rows("top kernels (self time)" if dev else "top ops (self time)", self.top)
