@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from torchfn._checks import _part
 from torchfn.compile import StepProfile, memory_snapshot, profile_step
+from torchfn.compile._profile import _summarise
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
 from torchfn.functional import init_train_state, make_train_step
 from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
@@ -154,6 +156,41 @@ def test_annotations_are_null_without_a_profiler() -> None:
     assert isinstance(_part("torchfn.x"), contextlib.nullcontext)
 
 
+def _event(name, start, end, device="CPU", annotation=False, kernels=(), self_cpu=0.0,
+           self_device=0.0):
+    return SimpleNamespace(
+        name=name, is_async=False, device_type=getattr(torch.autograd.DeviceType, device),
+        is_user_annotation=annotation, time_range=SimpleNamespace(start=start, end=end),
+        kernels=[SimpleNamespace(duration=d) for d in kernels], cpu_time_total=end - start,
+        self_cpu_time_total=self_cpu, self_device_time_total=self_device)
+
+
+def test_part_device_time_counts_kernels_launched_from_other_threads() -> None:
+    """CUDA bookkeeping, checked on synthetic events: a part's device time is the kernels
+    launched while it is open, also by an op of autograd's device thread (not its child)."""
+    events = [
+        _event("torchfn.forward_backward", 0, 100, annotation=True),
+        _event("aten::mm", 10, 20, kernels=[5.0], self_cpu=10),  # forward, main thread
+        _event("aten::mm_backward", 50, 60, kernels=[7.0], self_cpu=10),  # device thread
+        _event("torchfn.optimizer", 100, 150, annotation=True),
+        _event("aten::add", 110, 120, kernels=[2.0, 1.0], self_cpu=10),
+        _event("aten::sum", 200, 210, kernels=[4.0], self_cpu=10),  # outside every part
+        _event("gemm_kernel", 20, 25, device="CUDA", self_device=5.0),
+        _event("gemm_kernel", 60, 67, device="CUDA", self_device=7.0),
+        _event("add_kernel", 120, 123, device="CUDA", self_device=3.0),
+        _event("sum_kernel", 210, 214, device="CUDA", self_device=4.0),
+        _event("torchfn.optimizer", 100, 150, device="CUDA", annotation=True, self_device=50),
+    ]
+    host_ms, device_ms, top, parts = _summarise(events, 1, True, 2)
+    assert host_ms == pytest.approx(0.040) and device_ms == pytest.approx(0.019)
+    assert [(op.name, op.calls, op.device_ms) for op in top] == [
+        ("gemm_kernel", 2, pytest.approx(0.012)), ("sum_kernel", 1, pytest.approx(0.004))]
+    by_name = {p.name: p for p in parts}
+    assert by_name["torchfn.forward_backward"].device_ms == pytest.approx(0.012)
+    assert by_name["torchfn.forward_backward"].host_ms == pytest.approx(0.1)
+    assert by_name["torchfn.optimizer"].device_ms == pytest.approx(0.003)
+
+
 def test_argument_errors(tmp_path) -> None:
     step, state, batch = train_setup()
     with pytest.raises(TypeError, match=r"profile_step\(step=...\): expected a callable.*got int"):
@@ -202,7 +239,14 @@ def test_cuda_peak_memory_and_snapshot(tmp_path) -> None:
     assert prof.device_ms is not None and prof.device_ms > 0
     assert prof.top and all(op.device_ms is not None for op in prof.top)
     assert {p.name for p in prof.parts} >= TRAIN_PARTS
-    assert any((p.device_ms or 0) > 0 for p in prof.parts)
+    parts = {p.name: p for p in prof.parts}
+    assert all(p.device_ms is not None and p.device_ms >= 0 for p in prof.parts)
+    # the two top-level parts hold (nearly) all of the step's kernels, the backward ones
+    # (launched from autograd's device thread) included, and never more than all of them
+    top_level = parts["torchfn.forward_backward"].device_ms + parts["torchfn.apply_gradients"
+                                                                    ].device_ms
+    assert 0.75 * prof.device_ms <= top_level <= 1.01 * prof.device_ms
+    assert parts["torchfn.optimizer"].device_ms > 0
     assert "peak memory" in str(prof) and "device (kernels)" in str(prof)
     assert trace_names(path) >= TRAIN_PARTS
 

@@ -10,7 +10,9 @@ and only in eager code: a compiled step shows as its compiled regions and their 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import os
 import statistics
 import tempfile
@@ -37,7 +39,7 @@ class OpTime(NamedTuple):
 
     For an op or kernel the times are self times (children excluded); for a step part they
     are inclusive (host: the wall time of the region on the host; device: the kernels
-    launched inside it). ``device_ms`` is ``None`` where no device was profiled.
+    launched while it was open, from any thread, so a part's backward kernels count). ``device_ms`` is ``None`` where no device was profiled.
     """
 
     name: str
@@ -179,16 +181,20 @@ def _summarise(events: Any, steps: int, on_device: bool, top_k: int
     host_us = device_us = 0.0
     ops: dict[str, list[float]] = {}  # name -> [calls, host us, device us]
     parts: dict[str, list[float]] = {}
+    spans: list[tuple[str, float, float]] = []  # part annotations: name, start, end (us)
+    launches: list[tuple[float, float]] = []  # an op that launched kernels: start, kernel us
     for e in events:
         if e.is_async:
             continue
         if e.device_type == DeviceType.CPU:
+            if e.kernels:
+                launches.append((e.time_range.start, sum(k.duration for k in e.kernels)))
             if e.is_user_annotation:
                 if e.name.startswith(_PART_PREFIX) and e.name != _STEP:
                     acc = parts.setdefault(e.name, [0.0, 0.0, 0.0])
                     acc[0] += 1
                     acc[1] += e.cpu_time_total
-                    acc[2] += e.device_time_total if on_device else 0.0
+                    spans.append((e.name, e.time_range.start, e.time_range.end))
                 continue
             host_us += e.self_cpu_time_total
             if not on_device:
@@ -200,6 +206,15 @@ def _summarise(events: Any, steps: int, on_device: bool, top_k: int
             acc = ops.setdefault(e.name, [0.0, 0.0, 0.0])
             acc[0] += 1
             acc[2] += e.self_device_time_total
+
+    # A part's device time: the kernels launched while it was open, from any thread (the
+    # backward of a CUDA step runs in autograd's device thread, outside the part's children).
+    launches.sort()
+    starts = [t for t, _ in launches]
+    cumulative = list(itertools.accumulate((us for _, us in launches), initial=0.0))
+    for name, start, end in spans:
+        lo, hi = bisect.bisect_left(starts, start), bisect.bisect_right(starts, end)
+        parts[name][2] += cumulative[hi] - cumulative[lo]
 
     def op_times(table: dict[str, list[float]], key: int) -> tuple[OpTime, ...]:
         order = sorted(table.items(), key=lambda kv: -kv[1][key])
