@@ -1,8 +1,23 @@
 """Compile helpers: a whole step as one CUDA graph, Inductor options with torchfn's conv
-passes, and the unfold rewrite of convolutions for meta-gradients."""
+passes, the unfold rewrite of convolutions for meta-gradients, a compiled step that logs its
+compiles, and one lasting directory for torch's compile caches."""
 
+from torchfn.compile._cache import enable_compile_cache as enable_compile_cache
+from torchfn.compile._cache import load_compile_cache as load_compile_cache
+from torchfn.compile._cache import save_compile_cache as save_compile_cache
+from torchfn.compile._compile_log import CompiledStep as CompiledStep
+from torchfn.compile._compile_log import compile_step as compile_step
 from torchfn.compile._conv_pass import inductor_options as inductor_options
 from torchfn.compile._graphed import make_graphed_step as make_graphed_step
 from torchfn.compile._unfold_conv import unfold_convs as unfold_convs
 
-__all__ = ["inductor_options", "make_graphed_step", "unfold_convs"]
+__all__ = [
+    "CompiledStep",
+    "compile_step",
+    "enable_compile_cache",
+    "inductor_options",
+    "load_compile_cache",
+    "make_graphed_step",
+    "save_compile_cache",
+    "unfold_convs",
+]
