@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchfn.compile import compile_step
 from torchfn.data import (
     EpisodicBatchSampler,
     ShardReader,
@@ -136,9 +137,9 @@ opt = adam(1e-3)
 state = init_meta_state(learner, params, buffers, opt)
 step = make_distributed_meta_train_step(learner, opt)
 if args.compile:
-    step = torch.compile(step, fullgraph=True)
-    if info.rank == 0:
-        print("compiling the outer step (first call, tens of seconds)...", flush=True)
+    # rank 0 logs 'compiling the outer step (first call; ...)...' and how long it took
+    step = compile_step(step, name="the outer step",
+                        log=(lambda m: print(m, flush=True)) if info.rank == 0 else None)
 
 running = torch.zeros((), device=info.device)  # meta-loss summed since the last print
 for t in range(args.steps):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchfn.compile import compile_step
 from torchfn.data import ShardWriter, StreamingDataset, StreamingLoader
 from torchfn.distributed import init_from_env, make_data_parallel_train_step, save_checkpoint_once
 from torchfn.functional import init_train_state, load_checkpoint, make_functional
@@ -66,9 +67,8 @@ if args.resume:  # written on any world size: the state is replicated
 
 step = make_data_parallel_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=1.0)
 if args.compile:
-    step = torch.compile(step, fullgraph=True)
-    if info.rank == 0:
-        print("compiling the step (first call, tens of seconds)...", flush=True)
+    # rank 0 logs 'compiling the step (first call; ...)...' and how long it took
+    step = compile_step(step, name="the step", log=(lambda m: print(m, flush=True)) if info.rank == 0 else None)
 
 for epoch in range(start_epoch, start_epoch + args.epochs):
     dataset.set_epoch(epoch)

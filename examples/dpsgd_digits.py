@@ -33,6 +33,7 @@ import torchopt
 from sklearn.datasets import load_digits
 from torch import nn
 
+from torchfn.compile import compile_step
 from torchfn.functional import init_train_state, make_train_step
 from torchfn.persample import (
     PoissonSampler,
@@ -106,7 +107,10 @@ def train_dp(sigma: float, seed: int) -> tuple[list[float], float]:
     state, acct = init_dp_state(params, buffers, opt, seed=seed), RDPAccountant()
     curve = []
     for t in range(total_steps):
+        start = time.perf_counter()
         state, _ = step.run(state, sampler.sample(t), lambda i: (X_train[i], Y_train[i]), acct)
+        if args.compile and t == 0:
+            print(f"compiled the DP step in {time.perf_counter() - start:.1f} s", flush=True)
         if (t + 1) % steps_per_epoch == 0:
             curve.append(accuracy(ghost, state.params, buffers))
     eps = acct.get_epsilon(DELTA) if sigma > 0 else math.inf
@@ -122,8 +126,7 @@ def train_plain(seed: int) -> list[float]:
 
     step = make_train_step(ghost, mean_xent, opt)
     if args.compile:
-        step = torch.compile(step, fullgraph=True)
-        print("compiling the non-private step (first call, up to a minute)...", flush=True)
+        step = compile_step(step, name="the non-private step", log=lambda m: print(m, flush=True))
     state = init_train_state(params, buffers, opt, seed=seed)
     gen = torch.Generator().manual_seed(2000 + seed)
     curve = []

@@ -14,6 +14,7 @@ import torch
 import torchopt
 from torch import nn
 
+from torchfn.compile import compile_step
 from torchfn.functional import init_train_state, make_functional, make_train_step, step_rng
 from torchfn.optim import adamw
 
@@ -50,8 +51,8 @@ step = make_train_step(
     model_fn, mse, optimizer, grad_accum_steps=2, max_grad_norm=1.0, lr_schedule=lr
 )
 if not args.eager:
-    step = torch.compile(step, fullgraph=True)
-    print("compiling the step (first call, ~10 s on a CPU)...", flush=True)
+    # logs 'compiling the step (first call; ...)...' and how long it took
+    step = compile_step(step, name="the step", log=lambda m: print(m, flush=True))
 
 state = init_train_state(params, buffers, optimizer, seed=0)
 start = time.perf_counter()

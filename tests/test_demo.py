@@ -11,6 +11,8 @@ def test_demo_runs_and_checks_hold(capsys):
     out = run_demo(steps=20)
     printed = capsys.readouterr().out
     assert "BITWISE IDENTICAL" in printed
+    assert printed.count("compiling the train step (first call; this can take minutes)...") == 1
+    assert printed.count("compiled the train step in ") == 1 and "recompil" not in printed
     assert out["compiles"] == 1.0
     assert out["max_diff"] < 1e-4  # compiled vs eager params, float32
     assert out["per_sample_err"] < 1e-5

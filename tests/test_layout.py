@@ -157,13 +157,16 @@ def test_top_level_lists_every_package() -> None:
         assert f":mod:`torchfn.{name}`" in (torchfn.__doc__ or "")
 
 
-def test_compile_exports_exactly_seven_names() -> None:
-    """torchfn.compile's public surface is fixed: the three compile helpers, plus the profiling
-    helpers of issue 18 (profile_step, memory_snapshot, and the StepProfile / OpTime results
-    profile_step returns, public so users can type and read them)."""
-    assert sorted(torchfn.compile.__all__) == ["OpTime", "StepProfile", "inductor_options",
-                                               "make_graphed_step", "memory_snapshot",
-                                               "profile_step", "unfold_convs"]
+def test_compile_exports_exactly_twelve_names() -> None:
+    """torchfn.compile's public surface is fixed: the three compile helpers; the profiling
+    helpers (profile_step, memory_snapshot, and the StepProfile / OpTime results profile_step
+    returns, public so users can type and read them); compile_step (and the CompiledStep it
+    returns), which says when a step compiles and for how long; and the compile-cache helpers
+    (enable_compile_cache, save_compile_cache, load_compile_cache)."""
+    assert sorted(torchfn.compile.__all__) == [
+        "CompiledStep", "OpTime", "StepProfile", "compile_step", "enable_compile_cache",
+        "inductor_options", "load_compile_cache", "make_graphed_step", "memory_snapshot",
+        "profile_step", "save_compile_cache", "unfold_convs"]
 
 
 MOVED = [

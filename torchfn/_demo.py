@@ -24,6 +24,7 @@ import torch
 import torchopt
 from torch import Tensor, nn
 
+from torchfn.compile import compile_step
 from torchfn.functional import (
     empirical_ntk,
     hessian_diagonal,
@@ -101,7 +102,9 @@ def run_demo(steps: int = 60, *, seed: int = 0) -> dict[str, float]:
     step = make_train_step(model_fn, loss_fn, opt, grad_accum_steps=2, max_grad_norm=5.0,
                            lr_schedule=schedule)
     backend, compiles = _count_compiles()
-    cstep = torch.compile(step, fullgraph=True, backend=backend)
+    # announces 'compiling the train step (first call; ...)...', then how long it took
+    cstep = compile_step(step, name="the train step", log=lambda m: say("   " + m),
+                         backend=backend)
 
     batch_size = 128
 
