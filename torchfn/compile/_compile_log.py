@@ -135,6 +135,7 @@ def compile_step(step: Callable[..., Any], *, name: str | None = None,
         compiled step in ... s
         >>> torch.equal(cstep(x), y), cstep.__wrapped__ is step
         (True, True)
+        >>> torch.compiler.reset()  # frees the compiled code (and its guards on these globals)
     """
     if not callable(step):
         raise TypeError(f"compile_step(step=...): expected a callable step, got "
