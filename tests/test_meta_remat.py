@@ -21,8 +21,19 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchfn.functional import make_functional
-from torchfn.meta import LR_PREFIX, MetaLearner, anil, fomaml, maml, meta_sgd, reptile
+from torchfn.meta import (
+    LR_PREFIX,
+    MetaLearner,
+    anil,
+    fomaml,
+    init_meta_state,
+    make_meta_train_step,
+    maml,
+    meta_sgd,
+    reptile,
+)
 from torchfn.meta._tasks import Task
+from torchfn.optim import adam
 
 DT = torch.float64
 LR = 0.1
@@ -263,3 +274,39 @@ def test_remat_refusals_name_the_option():
     with pytest.raises(TypeError, match="remat"):
         reptile(model_fn, F.cross_entropy, remat=True)
     assert "remat=True" in repr(maml(model_fn, F.cross_entropy, remat=True))
+
+
+def test_remat_meta_sgd_with_adapt_filter_and_layer_norm():
+    torch.manual_seed(6)
+    module = nn.Sequential(nn.Linear(2, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    model_fn, params, buffers = make_functional(module)
+    tasks = _tasks("mlp")
+    head = lambda name: name.startswith(("1.", "3."))  # noqa: E731
+    plain = meta_sgd(model_fn, F.cross_entropy, inner_steps=3, adapt_filter=head, inner_lr=LR)
+    remat = meta_sgd(model_fn, F.cross_entropy, inner_steps=3, adapt_filter=head, inner_lr=LR,
+                     remat=True)
+    meta = _rates(plain.init(params))
+    assert sorted(k for k in meta if k.startswith(LR_PREFIX)) == [
+        LR_PREFIX + k for k in ("1.bias", "1.weight", "3.bias", "3.weight")]
+    g_plain, _, _ = plain.meta_grad(meta, buffers, tasks)
+    g_remat, _, _ = remat.meta_grad(meta, buffers, tasks)
+    _close(g_remat, g_plain)
+    assert float(g_remat["0.weight"].abs().sum()) > 0
+
+
+def test_compiled_remat_train_step_equals_unrolled_step():
+    model_fn, params, buffers = make_functional(_mlp())
+    opt = adam(1e-2)
+    steps = {r: make_meta_train_step(_build("anil", model_fn, 3, remat=r, chunk_size=2), opt)
+             for r in (False, True)}
+    backend, calls = _counting_backend()
+    compiled = torch.compile(steps[True], backend=backend, fullgraph=True)
+    s_plain = s_comp = init_meta_state(_build("anil", model_fn, 3, remat=False), params,
+                                       buffers, opt)
+    for i in range(2):
+        tasks = _tasks("mlp", n=4)
+        s_plain, m_plain = steps[False](s_plain, tasks)
+        s_comp, m_comp = compiled(s_comp, tasks)
+        torch.testing.assert_close(m_comp["loss"], m_plain["loss"], rtol=1e-12, atol=0)
+        _close(s_comp.params, s_plain.params, rtol=1e-10, atol=1e-13)
+        assert len(calls) == 1, f"recompiled at step {i}: {len(calls)} graphs"
