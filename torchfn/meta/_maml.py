@@ -37,6 +37,7 @@ from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _check_randomness, _part
+from torchfn.meta._remat import remat_task_grad
 from torchfn.meta._second_order import may_use_layer_norm, second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
@@ -75,6 +76,18 @@ class MetaLearner:
     (``ValueError`` otherwise), except for Meta-SGD, where ``inner_lr`` is the initial value of
     the learned rates.
 
+    ``remat=True`` (second-order MAML, ANIL, Meta-SGD with the default SGD inner step)
+    checkpoints the inner loop in :meth:`meta_grad`: it keeps the ``inner_steps`` parameter
+    iterates instead of the unrolled loop's activations and walks the loop backwards with
+    Hessian-vector products, recomputing each inner step (one extra forward+backward of the
+    support loss per step), so the activation memory is one inner step's whatever
+    ``inner_steps`` is; the numbers are those of ``remat=False``. :meth:`meta_loss` is not
+    checkpointed (an outer ``grad`` of it differentiates the unrolled loop). ``chunk_size``
+    trades the other way: it bounds the memory in the number of tasks, at no recompute.
+    First-order MAML and Reptile hold no inner-loop activations, so ``remat=True`` with them
+    is refused (``ValueError``), as are ``inner_opt`` and random ops (``randomness`` other
+    than ``"error"``), which the recompute cannot reproduce.
+
     Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
     instead of grouped cuDNN convolutions), which makes the 4-block few-shot conv net's
@@ -97,8 +110,11 @@ class MetaLearner:
         reptile: bool = False,
         chunk_size: int | None = None,
         randomness: str = "error",
+        remat: bool = False,
     ) -> None:
         _check_randomness(randomness, "MetaLearner(randomness=...)")
+        _check_remat(remat, inner_opt=inner_opt, first_order=first_order, reptile=reptile,
+                     randomness=randomness)
         if not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"MetaLearner(inner_steps=...): expected an int >= 1, got {inner_steps!r}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -130,11 +146,13 @@ class MetaLearner:
         self.reptile = reptile
         self.chunk_size = chunk_size
         self.randomness = randomness
+        self.remat = remat
 
     def __repr__(self) -> str:
         kind = ("reptile" if self.reptile else "meta_sgd" if self.learn_inner_lr
                 else "fomaml" if self.first_order else "maml")
         extra = "" if self.randomness == "error" else f", randomness={self.randomness!r}"
+        extra += ", remat=True" if self.remat else ""
         return (f"MetaLearner({kind}, inner_steps={self.inner_steps}, "
                 f"chunk_size={self.chunk_size}, adapt_filter={self.adapt_filter is not None}"
                 f"{extra})")
@@ -342,7 +360,10 @@ class MetaLearner:
         loss_sum: Tensor | None = None
         bufs = []
         for chunk in self._chunks(tasks):
-            if self.reptile:
+            if self.remat:
+                g, lsum, buf_t = self._remat_chunk_grad(meta_params, buffers, chunk, names,
+                                                         loss_scale)
+            elif self.reptile:
                 delta, loss_t, buf_t = self._task_vmap(self._reptile_delta)(
                     meta_params, buffers, chunk
                 )
@@ -372,6 +393,52 @@ class MetaLearner:
                  for k in names}
         return grads, loss_sum / n, _mean_buffers(bufs, buffers)
 
+    def _remat_chunk_grad(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], chunk: Task,
+        names: list[str], loss_scale: Tensor | None,
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        """Sum over the chunk's tasks of the checkpointed meta-gradient (``_remat.py``)."""
+        adapted = self.adapted_names(meta_params)
+
+        def one_task(p: Mapping[str, Tensor], b: Mapping[str, Tensor], task: Task) -> Any:
+            rates: dict[str, Tensor | float] = (
+                {k: p[LR_PREFIX + k] for k in adapted} if self.learn_inner_lr
+                else dict.fromkeys(adapted, self.inner_lr))
+            return remat_task_grad(self.model_fn, self.loss_fn, self._model_names(p), adapted,
+                                   rates, self.inner_steps, p, b, task, loss_scale)
+
+        g_model, g_rate, loss_t, buf_t = self._task_vmap(one_task)(meta_params, buffers, chunk)
+        g = {**g_model, **{LR_PREFIX + k: v for k, v in g_rate.items()}}
+        return {k: g[k].sum(0) for k in names}, loss_t.sum(), buf_t
+
+
+def _check_remat(remat: Any, *, inner_opt: Any, first_order: bool, reptile: bool,
+                 randomness: str) -> None:
+    if not isinstance(remat, bool):
+        raise ValueError(f"MetaLearner(remat=...): expected a bool, got {remat!r}")
+    if not remat:
+        return
+    if reptile or first_order:
+        kind = "reptile" if reptile else "first_order"
+        raise ValueError(
+            f"MetaLearner(remat=True, {kind}=True): remat checkpoints the second-order "
+            "meta-gradient through the inner loop; first-order MAML and Reptile keep no "
+            "inner-loop activations already, so there is nothing to rematerialise; drop remat"
+        )
+    if inner_opt is not None:
+        raise ValueError(
+            "MetaLearner(remat=True, inner_opt=...): remat's reverse pass is written for the "
+            "default plain-SGD inner step (theta - lr * grad); leave inner_opt out and pass "
+            "inner_lr=..., or use remat=False with this inner_opt"
+        )
+    if randomness != "error":
+        raise ValueError(
+            f"MetaLearner(remat=True, randomness={randomness!r}): remat recomputes each inner "
+            "step's forward, where random ops (dropout in training mode) would draw new masks "
+            "and give a wrong meta-gradient; use remat=False, or a model without random ops "
+            "(eval-mode dropout) and randomness='error'"
+        )
+
 
 def _mean_buffers(chunks: list[Mapping[str, Tensor]], buffers: Mapping[str, Tensor]) -> TensorDict:
     out = {}
@@ -394,6 +461,7 @@ def maml(
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
     randomness: str = "error",
+    remat: bool = False,
 ) -> MetaLearner:
     """Return a second-order MAML :class:`MetaLearner` (differentiates through the inner loop).
 
@@ -413,6 +481,14 @@ def maml(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        remat: checkpoint the inner steps in :meth:`MetaLearner.meta_grad`: keep only the
+            inner iterates, not the activations of the unrolled loop, and recompute each
+            inner step's forward and backward once more in a hand-written reverse pass
+            (Hessian-vector products), so activation memory does not grow with
+            ``inner_steps`` (one step's, not ``inner_steps``'), at the cost of one extra
+            forward+backward of the support loss per inner step. Same numbers as
+            ``remat=False``. Needs the default SGD inner step (``inner_opt`` and a
+            ``randomness`` other than ``"error"`` raise ``ValueError``).
 
     Example:
         >>> import torch.nn.functional as F
@@ -421,7 +497,7 @@ def maml(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       randomness=randomness)
+                       randomness=randomness, remat=remat)
 
 
 def fomaml(
@@ -474,6 +550,7 @@ def anil(
     inner_opt: GradientTransformation | None = None,
     chunk_size: int | None = None,
     randomness: str = "error",
+    remat: bool = False,
 ) -> MetaLearner:
     """Return an ANIL :class:`MetaLearner`: MAML adapting only the params ``head(name)`` keeps.
 
@@ -492,6 +569,14 @@ def anil(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        remat: checkpoint the inner steps in :meth:`MetaLearner.meta_grad`: keep only the
+            inner iterates, not the activations of the unrolled loop, and recompute each
+            inner step's forward and backward once more in a hand-written reverse pass
+            (Hessian-vector products), so activation memory does not grow with
+            ``inner_steps`` (one step's, not ``inner_steps``'), at the cost of one extra
+            forward+backward of the support loss per inner step. Same numbers as
+            ``remat=False``. Needs the default SGD inner step (``inner_opt`` and a
+            ``randomness`` other than ``"error"`` raise ``ValueError``).
 
     Example:
         >>> import torch.nn.functional as F
@@ -500,7 +585,7 @@ def anil(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=head, chunk_size=chunk_size,
-                       randomness=randomness)
+                       randomness=randomness, remat=remat)
 
 
 def meta_sgd(
@@ -513,6 +598,7 @@ def meta_sgd(
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
     randomness: str = "error",
+    remat: bool = False,
 ) -> MetaLearner:
     """Return a Meta-SGD :class:`MetaLearner`: per-parameter inner rates are meta-params.
 
@@ -535,6 +621,14 @@ def meta_sgd(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        remat: checkpoint the inner steps in :meth:`MetaLearner.meta_grad`: keep only the
+            inner iterates, not the activations of the unrolled loop, and recompute each
+            inner step's forward and backward once more in a hand-written reverse pass
+            (Hessian-vector products), so activation memory does not grow with
+            ``inner_steps`` (one step's, not ``inner_steps``'), at the cost of one extra
+            forward+backward of the support loss per inner step. Same numbers as
+            ``remat=False``. Needs the default SGD inner step (``inner_opt`` and a
+            ``randomness`` other than ``"error"`` raise ``ValueError``).
 
     Example:
         >>> import torch.nn.functional as F
@@ -543,7 +637,7 @@ def meta_sgd(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       learn_inner_lr=True, randomness=randomness)
+                       learn_inner_lr=True, randomness=randomness, remat=remat)
 
 
 def reptile(
