@@ -8,6 +8,8 @@ from torchfn.persample._accountant import (
     noise_multiplier_for_epsilon as noise_multiplier_for_epsilon,
 )
 from torchfn.persample._accountant import rdp_to_epsilon as rdp_to_epsilon
+from torchfn.persample._attribution import grad_inner_products as grad_inner_products
+from torchfn.persample._attribution import tracin_scores as tracin_scores
 from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
 from torchfn.persample._dpsgd import ClippedSum as ClippedSum
 from torchfn.persample._dpsgd import DPState as DPState
@@ -49,6 +51,7 @@ __all__ = [
     "check_ghost_coverage",
     "compute_rdp",
     "ghost_grad_norms",
+    "grad_inner_products",
     "grad_stats",
     "init_dp_state",
     "init_noise_scale",
@@ -58,6 +61,7 @@ __all__ = [
     "noise_multiplier_for_epsilon",
     "rdp_to_epsilon",
     "run_chunks",
+    "tracin_scores",
     "two_batch_estimates",
     "update_noise_scale",
     "update_norm_history",

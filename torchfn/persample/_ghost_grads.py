@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from torchfn.persample._ghost_layers import Prepared, Rule
+from torchfn.persample._ghost_layers import Prepared, Rule, _LinearLike
 from torchfn.persample._ghost_tied import cross_dot, shared_pairs, tied_groups
 
 __all__ = ["GhostGrads", "GhostResult"]
@@ -143,3 +143,121 @@ class GhostGrads:
                      else p.new_zeros(self.batch_size, *p.shape))
                 out[glob] = out[glob] + g if glob in out else g  # tied: sum of the uses
         return {k: out[k] for k in self._params if k in out}
+
+    def inner(self, other: GhostGrads, per_layer: bool = False) -> Tensor | TensorDict:
+        """Return ``(B1, B2)``: ``<grad l_i, grad l'_j>`` between this batch's per-sample
+        gradients and ``other``'s (a batch of the same :class:`GhostModel`).
+
+        All trainable parameters count (frozen ones have zero gradient). Plain linear maps
+        (``nn.Linear``, HF ``Conv1D``, ungrouped unfold convs) use the ghost form ``<G_i, G'_j>
+        = sum_{t,s} (a_it . a'_js) (g_it . g'_js)`` (plus ``(sum_t g_it) . (sum_s g'_js)`` for a
+        bias), never forming a per-sample gradient; every other layer, and every group of
+        layers that share a parameter, is materialised and dotted. With ``per_layer=True``
+        return ``{layer_name: (B1, B2)}`` (a tied group under its first layer, the others
+        zeros, as in :meth:`sq_norms`); their sum is the total. ``self.inner(self)`` has
+        ``sq_norms()`` on its diagonal.
+
+        Example::
+
+            >>> from torch import nn
+            >>> from torchfn.persample import make_ghost_model
+            >>> ghost, params, buffers = make_ghost_model(nn.Linear(3, 2))
+            >>> loss_fn = lambda out, y: ((out - y) ** 2).sum(1)
+            >>> a = ghost.per_sample(params, buffers, torch.randn(5, 3), torch.randn(5, 2), loss_fn)
+            >>> b = ghost.per_sample(params, buffers, torch.randn(4, 3), torch.randn(4, 2), loss_fn)
+            >>> a.grads.inner(b.grads).shape
+            torch.Size([5, 4])
+        """
+        if not isinstance(other, GhostGrads):
+            raise TypeError(f"GhostGrads.inner(other=...): expected a GhostGrads, got "
+                            f"{type(other).__name__}")
+        if list(self._spec) != list(other._spec) or set(self._params) != set(other._params):
+            raise ValueError("GhostGrads.inner(other=...): other comes from a different model "
+                             f"(layers {list(other._spec)}, expected {list(self._spec)}); use "
+                             "two batches of the same GhostModel")
+        b1, b2 = self.batch_size, other.batch_size
+        dtype = torch.promote_types(self._like.dtype, other._like.dtype)
+        zeros = self._like.new_zeros(b1, b2, dtype=dtype)
+        out = {name: zeros for name in self._spec}
+        grouped = {n for n, h in self._group.items() if h != n} | {
+            h for n, h in self._group.items() if h != n}
+        for name in self._spec:
+            if name in grouped:
+                continue
+            x, y = self._layers.get(name), other._layers.get(name)
+            if x is None or y is None:  # the layer was not called in one of the batches
+                continue
+            out[name] = _layer_inner(x, y).to(dtype)
+        heads = dict.fromkeys(self._group[n] for n in grouped)
+        for head in heads:  # tied groups: per-sample gradients of the union of their params
+            members = [n for n in self._spec if self._group[n] == head]
+            gx, gy = self._materialize_group(members), other._materialize_group(members)
+            for glob, t in gx.items():
+                if glob in gy:
+                    out[head] = out[head] + _flat_dot(t, gy[glob]).to(dtype)
+        if per_layer:
+            return out
+        total = zeros
+        for v in out.values():
+            total = total + v
+        return total
+
+    def _materialize_group(self, members: list[str]) -> TensorDict:
+        """``{param_name: (B, *shape)}`` over ``members``' calls in this batch (uses summed)."""
+        out: TensorDict = {}
+        for name in members:
+            if name not in self._layers:
+                continue
+            grads = self._layers[name].materialize()
+            for loc, glob in self._spec[name].params.items():
+                if glob in self._frozen or loc not in grads:
+                    continue
+                g = grads[loc]
+                out[glob] = out[glob] + g if glob in out else g
+        return out
+
+
+def _flat_dot(x: Tensor, y: Tensor) -> Tensor:
+    """``(B1, ...), (B2, ...)`` -> ``(B1, B2)`` dot products of the flattened samples."""
+    dtype = torch.promote_types(x.dtype, y.dtype)
+    return x.reshape(x.shape[0], -1).to(dtype) @ y.reshape(y.shape[0], -1).to(dtype).T
+
+
+def _plain_linear(p: Prepared) -> bool:
+    return type(p) is _LinearLike and p.groups == 1
+
+
+_GHOST_INNER_BLOCK = 1 << 24  # elements of one (rows, B2, T, S) block of the ghost form
+
+
+def _linear_inner(x: _LinearLike, y: _LinearLike) -> Tensor:
+    """``(B1, B2)``: ``sum_{t,s} (a_it . a'_js) (g_it . g'_js)`` (+ the bias term)."""
+    dtype = torch.promote_types(x.a.dtype, y.a.dtype)
+    ax, gx, ay, gy = (t.to(dtype) for t in (x.a, x.g, y.a, y.g))
+    if ax.dim() == 2 and ay.dim() == 2:  # one position per sample
+        out = (ax @ ay.T) * (gx @ gy.T)
+        return out + gx @ gy.T if x.bias else out
+    ax, gx, ay, gy = (t if t.dim() == 3 else t[:, None] for t in (ax, gx, ay, gy))
+    b1, t, s, b2 = ax.shape[0], ax.shape[1], ay.shape[1], ay.shape[0]
+    rows = max(1, _GHOST_INNER_BLOCK // max(1, b2 * t * s))
+    blocks = []
+    for i in range(0, b1, rows):  # bound the (rows, B2, T, S) Gram blocks
+        aa = torch.einsum("itd,jsd->ijts", ax[i:i + rows], ay)
+        gg = torch.einsum("ito,jso->ijts", gx[i:i + rows], gy)
+        blocks.append((aa * gg).sum((2, 3)))
+    out = torch.cat(blocks, 0)
+    return out + gx.sum(1) @ gy.sum(1).T if x.bias else out
+
+
+def _layer_inner(x: Prepared, y: Prepared) -> Tensor:
+    """``(B1, B2)`` inner products of one layer's per-sample gradients in two batches."""
+    if (_plain_linear(x) and _plain_linear(y)
+            and x.transposed == y.transposed and x.bias == y.bias):  # type: ignore[attr-defined]
+        return _linear_inner(x, y)  # type: ignore[arg-type]
+    gx, gy = x.materialize(), y.materialize()
+    total: Tensor | None = None
+    for loc, t in gx.items():
+        d = _flat_dot(t, gy[loc])
+        total = d if total is None else total + d
+    assert total is not None
+    return total
