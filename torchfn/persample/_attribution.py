@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from torchfn.persample._ghost_norms import GhostModel
@@ -50,6 +49,7 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
 
     Example::
 
+        >>> import torch
         >>> import torch.nn.functional as F
         >>> from torch import nn
         >>> from torchfn.persample import grad_inner_products, make_ghost_model
@@ -88,6 +88,7 @@ def tracin_scores(ghost: GhostModel, loss_fn: LossFn, checkpoints: Sequence[Mapp
 
     Example::
 
+        >>> import torch
         >>> from torch import nn
         >>> from torchfn.persample import make_ghost_model, tracin_scores
         >>> ghost, params, buffers = make_ghost_model(nn.Linear(3, 1))
@@ -115,5 +116,3 @@ def tracin_scores(ghost: GhostModel, loss_fn: LossFn, checkpoints: Sequence[Mapp
     assert total is not None
     return total
 
-
-_ = torch  # torch is used in doctests through the module namespace
