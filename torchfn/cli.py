@@ -155,8 +155,23 @@ def _cmd_build_ops(args: argparse.Namespace) -> int:
 
 def _cmd_dp_epsilon(args: argparse.Namespace) -> int:
     """Print the epsilon of ``steps`` Poisson-sampled Gaussian steps at ``delta``."""
+    import math
+
     from torchfn.persample import RDPAccountant, pld_epsilon
 
+    bad = []
+    if not 0.0 <= args.q <= 1.0:
+        bad.append(f"--q must be a sampling probability in [0, 1]; got {args.q}")
+    if not (math.isfinite(args.sigma) and args.sigma >= 0.0):
+        bad.append(f"--sigma must be a finite noise multiplier >= 0; got {args.sigma}")
+    if args.steps < 0:
+        bad.append(f"--steps must be >= 0; got {args.steps}")
+    if not 0.0 < args.delta < 1.0:
+        bad.append(f"--delta must be in the open interval (0, 1); got {args.delta}")
+    if bad:
+        for msg in bad:
+            print(f"torchfn dp epsilon: error: {msg}", file=sys.stderr)
+        return 2
     try:
         if args.accountant == "pld":
             eps = pld_epsilon(args.q, args.sigma, args.steps, args.delta)

@@ -213,15 +213,15 @@ class PLDAccountant:
             raise TypeError(
                 f"{where}: expected a dict from state_dict(); got {type(state).__name__}"
             )
-        missing = {"format", "version", "value_discretization_interval", "history"} - set(state)
-        if missing:
-            raise ValueError(f"{where}: state is missing keys {sorted(missing)}")
-        if state["format"] != _STATE_FORMAT or state["version"] != _STATE_VERSION:
+        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
             raise ValueError(
                 f"{where}: expected format={_STATE_FORMAT!r} version={_STATE_VERSION}; got "
-                f"format={state['format']!r} version={state['version']!r} (an RDPAccountant "
-                "state loads only into an RDPAccountant)"
+                f"format={state.get('format')!r} version={state.get('version')!r} (an "
+                "RDPAccountant state loads only into an RDPAccountant)"
             )
+        missing = {"value_discretization_interval", "history"} - set(state)
+        if missing:
+            raise ValueError(f"{where}: state is missing keys {sorted(missing)}")
         interval = _check_interval(state["value_discretization_interval"], where)
         history: list[tuple[float, float, int]] = []
         for n, entry in enumerate(state["history"]):
