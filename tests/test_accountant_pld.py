@@ -118,15 +118,15 @@ def test_pld_state_round_trip():
 
 
 def test_noise_multiplier_for_epsilon_pld():
-    q, steps, delta, target = 0.01, 1000, 1e-5, 1.5
+    q, steps, delta, target = 0.02, 200, 1e-5, 1.5
     sigma_rdp = noise_multiplier_for_epsilon(target, delta, q, steps)
-    sigma_pld = noise_multiplier_for_epsilon(target, delta, q, steps, accountant="pld", rtol=1e-3)
+    sigma_pld = noise_multiplier_for_epsilon(target, delta, q, steps, accountant="pld", rtol=3e-3)
     assert sigma_pld < sigma_rdp
     eps = pld_epsilon(q, sigma_pld, steps, delta)
     assert eps <= target
-    assert eps == pytest.approx(target, rel=5e-3)
-    # 0.1% less noise overshoots the target: the sigma is the threshold, not just any valid one
-    assert pld_epsilon(q, sigma_pld * (1 - 1e-3) ** 2, steps, delta) > target
+    assert eps == pytest.approx(target, rel=1e-2)
+    # 0.6% less noise overshoots the target: the sigma is the threshold, not just any valid one
+    assert pld_epsilon(q, sigma_pld * (1 - 3e-3) ** 2, steps, delta) > target
     assert noise_multiplier_for_epsilon(target, delta, 0.0, steps, accountant="pld") == 0.0
     # the default accountant is unchanged
     assert noise_multiplier_for_epsilon(target, delta, q, steps, accountant="rdp") == sigma_rdp
@@ -142,11 +142,11 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="value_discretization_interval must be a number"):
         PLDAccountant(value_discretization_interval="fine")
     acct = PLDAccountant()
-    with pytest.raises(ValueError, match="PLDAccountant.step: noise_multiplier must be a finite"):
+    with pytest.raises(ValueError, match=r"PLDAccountant\.step: noise_multiplier must be a finite"):
         acct.step(noise_multiplier=-1.0, sample_rate=0.1)
     with pytest.raises(ValueError, match=r"PLDAccountant.step: sample_rate must be in \[0, 1\]"):
         acct.step(noise_multiplier=1.0, sample_rate=1.5)
-    with pytest.raises(TypeError, match="PLDAccountant.step: steps must be an int"):
+    with pytest.raises(TypeError, match=r"PLDAccountant\.step: steps must be an int"):
         acct.step(noise_multiplier=1.0, sample_rate=0.1, steps=2.5)
     with pytest.raises(ValueError, match=r"get_epsilon: delta must be in the open interval"):
         acct.get_epsilon(0.0)

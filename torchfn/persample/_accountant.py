@@ -495,9 +495,9 @@ def _pld_noise_multiplier(
                 f"{where}: no noise multiplier below 1e12 reaches target_epsilon={target} "
                 f"(delta={delta}, sample_rate={q}, steps={steps}, accountant='pld')"
             )
-    lo = 0.5 * hi
+    lo = 0.75 * hi
     while eps_at(lo) <= target:
-        hi, lo = lo, 0.5 * lo
+        hi, lo = lo, 0.75 * lo
         if lo < 1e-3:
             raise ValueError(
                 f"{where}: target_epsilon={target} is met with a noise multiplier below 1e-3 "
