@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,zoo]"
+	$(PY) -m pip install -q -e ".[dev,zoo,accounting]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,4 +1,4 @@
-"""The ``torchfn`` command: ``doctor``, ``demo`` and ``build-ops``."""
+"""The ``torchfn`` command: ``doctor``, ``demo``, ``build-ops`` and ``dp epsilon``."""
 
 from __future__ import annotations
 
@@ -153,6 +153,39 @@ def _cmd_build_ops(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _cmd_dp_epsilon(args: argparse.Namespace) -> int:
+    """Print the epsilon of ``steps`` Poisson-sampled Gaussian steps at ``delta``."""
+    import math
+
+    from torchfn.persample import RDPAccountant, pld_epsilon
+
+    bad = []
+    if not 0.0 <= args.q <= 1.0:
+        bad.append(f"--q must be a sampling probability in [0, 1]; got {args.q}")
+    if not (math.isfinite(args.sigma) and args.sigma >= 0.0):
+        bad.append(f"--sigma must be a finite noise multiplier >= 0; got {args.sigma}")
+    if args.steps < 0:
+        bad.append(f"--steps must be >= 0; got {args.steps}")
+    if not 0.0 < args.delta < 1.0:
+        bad.append(f"--delta must be in the open interval (0, 1); got {args.delta}")
+    if bad:
+        for msg in bad:
+            print(f"torchfn dp epsilon: error: {msg}", file=sys.stderr)
+        return 2
+    try:
+        if args.accountant == "pld":
+            eps = pld_epsilon(args.q, args.sigma, args.steps, args.delta)
+        else:
+            acct = RDPAccountant()
+            acct.step(noise_multiplier=args.sigma, sample_rate=args.q, steps=args.steps)
+            eps = acct.get_epsilon(args.delta)
+    except (ValueError, TypeError, ImportError) as e:
+        print(f"torchfn dp epsilon: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{eps:.6f}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchfn`` console command."""
     parser = argparse.ArgumentParser(prog="torchfn", description=__doc__)
@@ -167,6 +200,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("build-ops", help="build the C++/CUDA custom ops now and report")
     p.add_argument("--verbose", action="store_true", help="show the compiler output")
     p.set_defaults(func=_cmd_build_ops)
+    p = sub.add_parser("dp", help="differential privacy tools: `torchfn dp epsilon ...`")
+    dp_sub = p.add_subparsers(dest="dp_command", required=True)
+    p = dp_sub.add_parser(
+        "epsilon",
+        help="print the epsilon of DP-SGD (Poisson-sampled Gaussian steps) at a delta",
+    )
+    p.add_argument("--q", type=float, required=True,
+                   help="sampling probability of each example per step, in [0, 1]")
+    p.add_argument("--sigma", type=float, required=True,
+                   help="noise multiplier (noise std / clipping norm), >= 0")
+    p.add_argument("--steps", type=int, required=True, help="number of steps, >= 0")
+    p.add_argument("--delta", type=float, required=True, help="target delta, in (0, 1)")
+    p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                   help="rdp (default, no extra dependency) or pld (tighter; needs "
+                        'pip install "torchfn[accounting]")')
+    p.set_defaults(func=_cmd_dp_epsilon)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

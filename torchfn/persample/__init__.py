@@ -8,6 +8,8 @@ from torchfn.persample._accountant import (
     noise_multiplier_for_epsilon as noise_multiplier_for_epsilon,
 )
 from torchfn.persample._accountant import rdp_to_epsilon as rdp_to_epsilon
+from torchfn.persample._accountant_pld import PLDAccountant as PLDAccountant
+from torchfn.persample._accountant_pld import pld_epsilon as pld_epsilon
 from torchfn.persample._attribution import grad_inner_products as grad_inner_products
 from torchfn.persample._attribution import tracin_scores as tracin_scores
 from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
@@ -46,6 +48,7 @@ __all__ = [
     "GradStats",
     "NoiseScaleState",
     "NormHistory",
+    "PLDAccountant",
     "PoissonSampler",
     "RDPAccountant",
     "check_ghost_coverage",
@@ -59,6 +62,7 @@ __all__ = [
     "make_dp_train_step",
     "make_ghost_model",
     "noise_multiplier_for_epsilon",
+    "pld_epsilon",
     "rdp_to_epsilon",
     "run_chunks",
     "tracin_scores",
