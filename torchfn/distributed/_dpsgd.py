@@ -33,6 +33,7 @@ from torchfn.persample import (
     ClippedSum,
     DPState,
     DPTrainStep,
+    PLDAccountant,
     PoissonSampler,
     RDPAccountant,
     run_chunks,
@@ -168,7 +169,8 @@ class DistributedDPStep:
 
     def run(self, state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
             get_batch: Callable[[Tensor], tuple[Any, Any]],
-            accountant: RDPAccountant | None = None) -> tuple[DPState, dict[str, Tensor]]:
+            accountant: RDPAccountant | PLDAccountant | None = None,
+            ) -> tuple[DPState, dict[str, Tensor]]:
         """Take one logical step on this rank's ``chunks`` (:func:`shard_poisson_sample`).
 
         ``get_batch(indices)`` returns ``(inputs, targets)`` for global dataset indices.

@@ -54,6 +54,7 @@ from torchfn.functional import (
     check_optimizer,
 )
 from torchfn.persample._accountant import RDPAccountant
+from torchfn.persample._accountant_pld import PLDAccountant
 from torchfn.persample._dp_random import fold_in, key_from_seed, normal
 from torchfn.persample._ghost_norms import GhostModel
 
@@ -363,8 +364,10 @@ class DPTrainStep:
 
     def run(self, state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
             get_batch: Callable[[Tensor], tuple[Any, Any]],
-            accountant: RDPAccountant | None = None) -> tuple[DPState, dict[str, Tensor]]:
-        """Take one logical step on a :meth:`PoissonSampler.sample` draw; step ``accountant``.
+            accountant: RDPAccountant | PLDAccountant | None = None,
+            ) -> tuple[DPState, dict[str, Tensor]]:
+        """Take one logical step on a :meth:`PoissonSampler.sample` draw; step ``accountant``
+        (an :class:`RDPAccountant` or a :class:`PLDAccountant`), if given.
 
         ``get_batch(indices)`` returns ``(inputs, targets)`` for the ``(P,)`` indices (e.g.
         ``lambda i: (X[i], Y[i])``). One chunk uses the fused step; several use
