@@ -516,6 +516,37 @@ def _pld_noise_multiplier(
 # --------------------------------------------------------------------------- accountant
 
 
+def _record_steps(history: list[tuple[float, float, int]], noise_multiplier: float,
+                  sample_rate: float, steps: int, where: str) -> None:
+    """Append ``steps`` steps of ``(sigma, q)`` to an accountant's history (in place), merged
+    into the last entry when it has the same ``(sigma, q)``; zero steps record nothing."""
+    sigma = _check_noise(noise_multiplier, where)
+    q = _check_sample_rate(sample_rate, where, "sample_rate")
+    steps = _check_steps(steps, where)
+    if steps == 0:
+        return
+    if history and history[-1][:2] == (sigma, q):
+        history[-1] = (sigma, q, history[-1][2] + steps)
+    else:
+        history.append((sigma, q, steps))
+
+
+def _check_history(entries: Any, where: str) -> list[tuple[float, float, int]]:
+    """Return a saved history (``[[sigma, q, steps], ...]``) checked entry by entry."""
+    history: list[tuple[float, float, int]] = []
+    for n, entry in enumerate(entries):
+        if len(entry) != 3:
+            raise ValueError(
+                f"{where}: history[{n}] must be (noise_multiplier, sample_rate, steps); "
+                f"got {entry!r}"
+            )
+        sigma = _check_noise(entry[0], f"{where}: history[{n}]")
+        q = _check_sample_rate(entry[1], f"{where}: history[{n}]", "sample_rate")
+        steps = _check_steps(entry[2], f"{where}: history[{n}]")
+        history.append((sigma, q, steps))
+    return history
+
+
 class RDPAccountant:
     """Tracks the RDP of a DP-SGD run and returns its (epsilon, delta) guarantee.
 
@@ -577,16 +608,7 @@ class RDPAccountant:
 
     def step(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         """Record ``steps`` DP-SGD steps with this noise multiplier and sample rate (mutates)."""
-        where = "RDPAccountant.step"
-        sigma = _check_noise(noise_multiplier, where)
-        q = _check_sample_rate(sample_rate, where, "sample_rate")
-        steps = _check_steps(steps, where)
-        if steps == 0:
-            return
-        if self._history and self._history[-1][:2] == (sigma, q):
-            self._history[-1] = (sigma, q, self._history[-1][2] + steps)
-        else:
-            self._history.append((sigma, q, steps))
+        _record_steps(self._history, noise_multiplier, sample_rate, steps, "RDPAccountant.step")
 
     def get_rdp(self) -> np.ndarray:
         """Return the composed RDP of the recorded history at each order, shape ``(n_orders,)``."""
@@ -633,16 +655,6 @@ class RDPAccountant:
             )
         orders = _check_orders(state["orders"], where)
         conversion = _check_conversion(state["conversion"], where)
-        history: list[tuple[float, float, int]] = []
-        for n, entry in enumerate(state["history"]):
-            if len(entry) != 3:
-                raise ValueError(
-                    f"{where}: history[{n}] must be (noise_multiplier, sample_rate, steps); "
-                    f"got {entry!r}"
-                )
-            sigma = _check_noise(entry[0], f"{where}: history[{n}]")
-            q = _check_sample_rate(entry[1], f"{where}: history[{n}]", "sample_rate")
-            steps = _check_steps(entry[2], f"{where}: history[{n}]")
-            history.append((sigma, q, steps))
+        history = _check_history(state["history"], where)
         self._orders, self._conversion, self._history = orders, conversion, history
         self._cache = {}

@@ -21,9 +21,11 @@ from typing import Any
 
 from torchfn.persample._accountant import (
     _check_delta,
+    _check_history,
     _check_noise,
     _check_sample_rate,
     _check_steps,
+    _record_steps,
 )
 
 __all__ = ["PLDAccountant", "pld_epsilon"]
@@ -173,16 +175,7 @@ class PLDAccountant:
 
     def step(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         """Record ``steps`` DP-SGD steps with this noise multiplier and sample rate (mutates)."""
-        where = "PLDAccountant.step"
-        sigma = _check_noise(noise_multiplier, where)
-        q = _check_sample_rate(sample_rate, where, "sample_rate")
-        steps = _check_steps(steps, where)
-        if steps == 0:
-            return
-        if self._history and self._history[-1][:2] == (sigma, q):
-            self._history[-1] = (sigma, q, self._history[-1][2] + steps)
-        else:
-            self._history.append((sigma, q, steps))
+        _record_steps(self._history, noise_multiplier, sample_rate, steps, "PLDAccountant.step")
 
     def get_epsilon(self, delta: float) -> float:
         """Return epsilon of the recorded history at this ``delta`` (a Python float)."""
@@ -223,15 +216,5 @@ class PLDAccountant:
         if missing:
             raise ValueError(f"{where}: state is missing keys {sorted(missing)}")
         interval = _check_interval(state["value_discretization_interval"], where)
-        history: list[tuple[float, float, int]] = []
-        for n, entry in enumerate(state["history"]):
-            if len(entry) != 3:
-                raise ValueError(
-                    f"{where}: history[{n}] must be (noise_multiplier, sample_rate, steps); "
-                    f"got {entry!r}"
-                )
-            sigma = _check_noise(entry[0], f"{where}: history[{n}]")
-            q = _check_sample_rate(entry[1], f"{where}: history[{n}]", "sample_rate")
-            steps = _check_steps(entry[2], f"{where}: history[{n}]")
-            history.append((sigma, q, steps))
+        history = _check_history(state["history"], where)
         self._interval, self._history, self._cache = interval, history, {}
