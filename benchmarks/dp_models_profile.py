@@ -1,0 +1,81 @@
+"""Where the DP step's time goes on the Hugging Face models of ``benchmarks/dp_models.py``.
+
+Builds one workload (same model, batch and hyper-parameters as ``dp_models.py``) and runs
+``torchfn.compile.profile_step`` on the chosen variants, printing each profile's table: wall,
+host and kernel time per step, the step's named parts (``torchfn.forward_backward``,
+``torchfn.ghost_pass``, ``torchfn.clipped_sum``, ``torchfn.noise``, ...) and the top kernels.
+With ``--trace-dir`` each profile's Chrome trace is written there.
+
+    python benchmarks/dp_models_profile.py --workload gpt2 --precision fp32
+    python benchmarks/dp_models_profile.py --workload vit --variants dpsgd-eager --top 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dp_models import (  # the benchmark's own models, batches and variants
+    VARIANTS,
+    WORKLOADS,
+    build_model,
+    configs,
+    loss_kind,
+    make_batch,
+    make_variant,
+    set_tf32_off,
+)
+
+from torchfn.compile import profile_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="gpt2", choices=WORKLOADS)
+    ap.add_argument("--variants", default="nonprivate-eager,dpsgd-eager",
+                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    ap.add_argument("--top", type=int, default=25, help="kernel rows per table")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--trace-dir", type=Path, default=None, help="write Chrome traces here")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {bad}; expected a subset of {', '.join(VARIANTS)}")
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, {args.device}, TF32 {set_tf32_off()}, workload "
+          f"{args.workload}, precision {args.precision}", flush=True)
+    cfg = configs(args.tiny)[args.workload]
+    template = build_model(args.workload, cfg, untie=False, expand_positions=True)
+    for variant in variants:
+        model = template.to(device)
+        x, y = make_batch(args.workload, cfg, device)
+        fn, _info = make_variant(variant, model, x, y, loss_kind(args.workload), args.precision)
+
+        def step(state: Any, batch: Any, fn: Any = fn) -> tuple[Any, Any]:
+            fn()
+            return state, None
+
+        trace = None
+        if args.trace_dir is not None:
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
+            trace = args.trace_dir / f"{args.workload}-{args.precision}-{variant}.json"
+        prof = profile_step(step, None, None, warmup=3, steps=args.steps, top_k=args.top,
+                            trace=trace)
+        print(f"\n### {variant}\n{prof.table()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
