@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
             trace = args.trace_dir / f"{args.workload}-{args.precision}-{variant}.json"
         prof = profile_step(step, None, None, warmup=3, steps=args.steps, top_k=args.top,
-                            trace=trace)
+                            trace=trace, device=device)
         print(f"\n### {variant}\n{prof.table()}", flush=True)
     return 0
 

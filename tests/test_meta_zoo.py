@@ -136,11 +136,11 @@ def test_meta_grad_randomness_different_draws_per_task_and_eval_equals_the_loop(
 # ---------------------------------------------------------------------------------------------
 
 
-def _encoder_setup(record: bool = True):
+def _encoder_setup(record: bool = True, device: str = "cpu", dtype: torch.dtype = D):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     enc = nn.Sequential(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False))
-    enc = enc.to(D)
+    enc = enc.to(device=device, dtype=dtype)
     model_fn, params, buffers = make_functional(enc)
     flags = []
 
@@ -151,7 +151,7 @@ def _encoder_setup(record: bool = True):
         return out.mean(1), new_b
 
     g = torch.Generator().manual_seed(2)
-    tasks = Task(*(torch.randn(2, k, *rest, generator=g, dtype=D)
+    tasks = Task(*(torch.randn(2, k, *rest, generator=g, dtype=dtype).to(device)
                    for k, rest in ((3, (5, 8)), (3, (8,)), (2, (5, 8)), (2, (8,)))))
     return pooled, params, buffers, tasks, flags
 
@@ -310,11 +310,8 @@ def test_torch_layer_norm_in_grad_of_vmap_of_grad_is_still_wrong():
 def test_maml_second_order_on_cuda_attention_in_float32_matches_the_loop():
     """On CUDA float32 the flash / memory-efficient kernels would be picked; they have no
     double backward, so this fails without the math backend."""
-    model_fn, params, buffers, tasks, _ = _encoder_setup(record=False)
-    # the same encoder, moved to CUDA float32 before make_functional (its specs hold the device)
-    model_fn, params, buffers = make_functional(
-        model_fn.to_module(params, buffers).float().cuda())
-    tasks = Task(*(f.float().cuda() for f in tasks))
+    model_fn, params, buffers, tasks, _ = _encoder_setup(record=False, device="cuda",
+                                                         dtype=torch.float32)
     got, _, _ = maml(model_fn, F.mse_loss, inner_lr=LR).meta_grad(params, buffers, tasks)
     with sdpa_kernel(SDPBackend.MATH):
         ref, _ = _reference(model_fn, F.mse_loss, params, buffers, tasks)

@@ -213,6 +213,14 @@ def test_argument_errors(tmp_path) -> None:
     with pytest.raises(TypeError, match=r"profile_step\(step=...\): step\(state, batch\) "
                                         r"returned Tensor; expected a pair \(new_state, metrics"):
         profile_step(lambda s, b: b[0], state, batch, warmup=1)
+    with pytest.raises(ValueError, match=r"profile_step\(device=...\): expected a torch.device "
+                                         r"or a device string.*got 'gpu0'"):
+        profile_step(step, state, batch, device="gpu0")
+    with pytest.raises(ValueError, match=r"profile_step\(device=...\): expected a CUDA or CPU "
+                                         r"device, got meta"):
+        profile_step(step, state, batch, device="meta")
+    prof = profile_step(step, state, batch, warmup=0, steps=1, device="cpu")
+    assert prof.device == "cpu" and prof.device_ms is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
@@ -257,3 +265,14 @@ def test_cuda_peak_memory_and_snapshot(tmp_path) -> None:
         data = pickle.load(f)
     assert "segments" in data and "device_traces" in data
     assert any(data["device_traces"])  # the step's allocations were recorded
+
+    # a step holding its CUDA tensors in a closure: device= says where it runs
+    box = [state]
+
+    def closed(s, b):
+        box[0], _ = step(box[0], batch)
+        return s, None
+
+    prof = profile_step(closed, None, None, warmup=1, steps=1, device="cuda")
+    assert prof.device.startswith("cuda") and prof.device_ms is not None and prof.device_ms > 0
+    assert prof.peak_memory_bytes is not None and prof.peak_memory_bytes > 0

@@ -236,13 +236,16 @@ def profile_step(
     steps: int = 3,
     trace: str | os.PathLike[str] | None = None,
     top_k: int = 10,
+    device: torch.device | str | None = None,
 ) -> StepProfile:
     """Return a :class:`StepProfile` of ``step(state, batch)``: times per step, top ops or
     kernels, peak memory, the step's named parts; optionally write a Chrome trace.
 
     Runs ``step`` ``warmup`` times (compiles, allocator and autotuning warm-up), then
-    ``steps`` times under ``torch.profiler.profile`` (CPU activity, plus CUDA where CUDA is
-    available; ``profile_memory=True``), synchronising after each step. The state returned
+    ``steps`` times under ``torch.profiler.profile`` (CPU activity, plus CUDA activity for a
+    CUDA step; ``profile_memory=True``), synchronising after each step. The step's device is
+    the first CUDA tensor's in ``(state, batch)`` (else the CPU); pass ``device`` (e.g.
+    ``"cuda"``) for a step whose tensors are all held in its closure. The state returned
     by each call (``(new_state, metrics)``, as every torchfn step returns) is passed to the
     next; ``state`` itself is not modified and the last state is dropped. The batch is the
     same every call. For a step with more arguments close over them, e.g. DP-SGD:
@@ -279,7 +282,20 @@ def profile_step(
     top_k = _count(where, "top_k", top_k, 1)
     path = _check_path(where, "trace", trace) if trace is not None else None
 
-    device = _cuda_device((state, batch))
+    if device is None:
+        device = _cuda_device((state, batch))
+    else:
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"{where}(device=...): expected a torch.device or a device string "
+                             f"such as 'cuda' or 'cpu', got {device!r}") from e
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type == "cpu":
+            device = None
+        elif device.type != "cuda":
+            raise ValueError(f"{where}(device=...): expected a CUDA or CPU device, got {device}")
     on_device = device is not None
 
     def sync() -> None:
@@ -290,12 +306,12 @@ def profile_step(
         state = _next_state(where, step(state, batch))
     sync()
     activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if on_device:
         activities.append(ProfilerActivity.CUDA)
     if device is not None:
         torch.cuda.reset_peak_memory_stats(device)
     walls = []
-    with profile(activities=activities, profile_memory=True) as prof:
+    with profile(activities=activities, profile_memory=True, acc_events=True) as prof:
         for _ in range(steps):
             start = time.perf_counter()
             with record_function(_STEP):
