@@ -427,7 +427,9 @@ def run_row(workload: str, variant: str, precision: str, template: nn.Module,
         model = copy.deepcopy(template).to(device)
         row["trained_params"] = sum(p.numel() for p in trainable_params(model))
         x, y = make_batch(workload, cfg, device)
+        t0 = time.perf_counter()
         step, info = make_variant(variant, model, x, y, loss_kind(workload), precision)
+        row["setup_s"] = time.perf_counter() - t0  # graphed: compile + capture happen here
         row.update(info)
         row.update(measure(step, device, args.warmup, args.steps))
         if variant == "dpsgd-eager" and precision == "fp32" and not args.no_check:
@@ -472,6 +474,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             t = _lookup(rows, w, p, other)
             if t:
                 s[key] = t / r["median_ms"]
+        t = _lookup(rows, w, p, "torch-eager")
+        if t:
+            s["vs_torch"] = r["median_ms"] / t  # DP step time over plain PyTorch's step
         out.append(s)
     return out
 
@@ -555,34 +560,61 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"- DP: noise multiplier {SIGMA}, flat clipping at {CLIP}, SGD lr {LR}; "
         f"{'tied' if not result['untie'] else 'untied'} wte/lm_head; position ids "
         f"{'(B, T), passed' if result['positions'] == 'expanded' else 'built by the model'}.",
-        "", "| workload | batch | precision | variant | median ms [p10, p90] | peak MiB | "
-        "first call s | note |", "|---|---:|---|---|---:|---:|---:|---|"]
+        "- Setup s: building the step (for graphed rows: Inductor compile and CUDA-graph "
+        "capture), before the first timed call.", ""]
+    lines += [f"- Run {i}: {d} -- `{c}`" for i, (d, c) in enumerate(result.get("runs", []), 1)]
+    lines += ["", "| workload | batch | precision | variant | median ms [p10, p90] | peak MiB | "
+              "setup s | first call s | note |", "|---|---:|---|---|---:|---:|---:|---:|---|"]
     for r in result["results"]:
         if "error" in r:
             lines.append(f"| {r['workload']} | {r['batch']} | {r['precision']} | {r['variant']} "
-                         f"| -- | -- | -- | {r['error'].replace('|', '/')} |")
+                         f"| -- | -- | -- | -- | {r['error'].replace('|', '/')} |")
             continue
         mem = f"{r['peak_mem_mb']:.0f}" if "peak_mem_mb" in r else "--"
-        note = f"{r['trained_params']:,} trained params"
+        setup = f"{r['setup_s']:.1f}" if "setup_s" in r else "--"
+        note = (f"run {r['run']}; " if "run" in r else "") + f"{r['trained_params']:,} trained params"
         if r.get("layers"):
             note += "; ghost layers " + ", ".join(f"{k} {n}" for k, n in r["layers"].items())
         note += _check_text(r).replace("|", "/")
         lines.append(f"| {r['workload']} | {r['batch']} | {r['precision']} | {r['variant']} | "
                      f"{r['median_ms']:.2f} [{r['p10_ms']:.2f}, {r['p90_ms']:.2f}] | {mem} | "
-                     f"{r['first_call_s']:.1f} | {note} |")
+                     f"{setup} | {r['first_call_s']:.1f} | {note} |")
     lines += ["", "Ratios (goals: DP / non-private <= 1.25x time and <= 1.3x memory; >= 3x "
               "faster than Opacus ghost clipping, >= 2x faster than Opacus hooks):", "",
               "| workload | precision | DP row | DP / non-private time | memory | Opacus ghost "
-              "/ DP | Opacus hooks / DP | vmap floor / DP |", "|---|---|---|---|---|---|---|---|"]
+              "/ DP | Opacus hooks / DP | vmap floor / DP | DP / plain PyTorch step |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for s in result["summary"]:
         cells = [_goal(k, s[k]) if k in s else "--"
-                 for k in ("dp_time", "dp_mem", "vs_opacus_ghost", "vs_opacus_hooks", "vs_vmap")]
-        lines.append(f"| {s['workload']} | {s['precision']} | {s['variant']} | "
+                 for k in ("dp_time", "dp_mem", "vs_opacus_ghost", "vs_opacus_hooks", "vs_vmap",
+                           "vs_torch")]
+        run = f" (run {s['run']})" if "run" in s else ""
+        lines.append(f"| {s['workload']} | {s['precision']} | {s['variant']}{run} | "
                      + " | ".join(cells) + " |")
     if result["errors"]:
         lines += ["", "Tracebacks of the failed rows (last frames):", "", "```"]
         lines += [n.rstrip() for n in result["errors"]] + ["```"]
     return "\n".join(lines) + "\n"
+
+
+def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several runs: rows tagged with their run (each run compares its own
+    rows side by side; ratios never mix runs), the runs' devices and commands listed."""
+    if not parts:
+        raise SystemExit("--merge: no JSON files given")
+    out = dict(parts[0])
+    out["runs"] = [(p["device"], p["command"]) for p in parts]
+    out["device"] = ", ".join(dict.fromkeys(p["device"] for p in parts))
+    out["date"] = max(p["date"] for p in parts)
+    out["precisions"] = list(dict.fromkeys(q for p in parts for q in p["precisions"]))
+    out["command"] = " ; ".join(p["command"] for p in parts)
+    out["results"], out["summary"], out["errors"] = [], [], []
+    for i, p in enumerate(parts, 1):
+        rows = [{**r, "run": i} for r in p["results"]]
+        out["results"] += rows
+        out["summary"] += [{**x, "run": i} for x in summarize(rows)]
+        out["errors"] += p["errors"]
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -662,7 +694,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the JSON here")
     parser.add_argument("--md", type=Path, default=None,
                         help="write a markdown results file here (benchmarks/results/...)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: merge the JSON files of earlier runs (each one "
+                             "side by side on its own) into --md / --json")
     args = parser.parse_args(argv)
+    if args.merge:
+        merged = merge_results([json.loads(p.read_text()) for p in args.merge])
+        if args.json:
+            args.json.write_text(json.dumps(merged, indent=2))
+        if args.md:
+            args.md.write_text(to_markdown(merged))
+        print(to_markdown(merged))
+        return 0
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup or (1 if args.tiny else 3)
     args.command = "python benchmarks/dp_models.py " + " ".join(
