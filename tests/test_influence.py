@@ -412,3 +412,29 @@ def test_ekfac_other_layers():
     with pytest.raises(ValueError, match=r"fisher=\.\.\.\): expected one of \('ggn', "
                                          r"'empirical'\)"):
         fit_ekfac(ghost, params, buffers, xent, x, y, fisher="sampled")
+
+
+def test_ghost_model_leaves_frozen_parameters_out():
+    net = _mlp(4)
+    net[0].requires_grad_(False)
+    ghost, params, buffers = make_ghost_model(net)
+    assert ghost.trainable == ("2.weight", "2.bias")
+    x, y = _data(10, 10)
+    xq, yq = _data(2, 11)
+    train = {k: params[k] for k in ghost.trainable}
+    h = hessian_matrix(lambda p: xent(ghost({**params, **p}, buffers, x)[0], y).mean(), train)
+    lam = _damping_for(h)
+
+    def grads(xs, ys):  # per-sample loop over the trainable parameters only
+        named = dict(net.named_parameters())
+        return torch.stack([torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+            xent(net(xs[i:i + 1]), ys[i:i + 1])[0], [named[k] for k in sorted(train)])])
+            for i in range(xs.shape[0])])
+
+    ref = -grads(xq, yq) @ torch.linalg.solve(h + lam * torch.eye(h.shape[0], dtype=D),
+                                              grads(x, y).T)
+    got = influence_scores(ghost, params, buffers, xent, (x, y), (xq, yq), damping=lam,
+                           tol=1e-12)
+    torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-10)
+    ek = fit_ekfac(ghost, params, buffers, xent, x, y)
+    assert list(ek.layers) == ["2"] and ek.identity == ()
