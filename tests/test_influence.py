@@ -259,6 +259,10 @@ def test_influence_errors():
     with pytest.raises(TypeError, match=r"method='cg'\): unexpected options \['fisher'\]"):
         influence_scores(model_fn, params, buffers, xent, data, data, damping=1.0,
                          fisher="ggn")
+    with pytest.raises(ValueError, match=r"curvature=\.\.\.\): expected one of \('hessian', "
+                                         r"'ggn'\)"):
+        influence_scores(model_fn, params, buffers, xent, data, data, damping=1.0,
+                         curvature="fisher")
     with pytest.raises(TypeError, match=r"model_fn must be a GhostModel"):
         influence_scores(model_fn, params, buffers, xent, data, data, method="ekfac",
                          damping=1.0)
@@ -354,6 +358,9 @@ def test_ekfac_influence_ranks_track_the_exact_ggn():
     lam = 0.3 * (torch.trace(ggn) / ggn.shape[0]).item()  # 0.3 x the mean eigenvalue
     gt, gq = _ref_grads(net, half_sq, x, y), _ref_grads(net, half_sq, xq, yq)
     exact = -gq @ torch.linalg.solve(ggn + lam * torch.eye(ggn.shape[0], dtype=D), gt.T)
+    cg_ggn = influence_scores(ghost, params, buffers, half_sq, (x, y), (xq, yq),
+                              curvature="ggn", damping=lam, tol=1e-12)
+    torch.testing.assert_close(cg_ggn, exact, rtol=1e-7, atol=1e-10)
     ek = influence_scores(ghost, params, buffers, half_sq, (x, y), (xq, yq), method="ekfac",
                           damping=lam)
     ident = influence_scores(ghost, params, buffers, half_sq, (x, y), (xq, yq),
@@ -438,3 +445,23 @@ def test_ghost_model_leaves_frozen_parameters_out():
     torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-10)
     ek = fit_ekfac(ghost, params, buffers, xent, x, y)
     assert list(ek.layers) == ["2"] and ek.identity == ()
+
+
+def test_cg_on_the_gauss_newton_matrix_with_cross_entropy():
+    # random init: H is indefinite (CG on it fails at damping 0.01) but the GGN is not
+    net = _mlp(5)
+    model_fn, params, buffers = make_functional(net)
+    x, y = _data(24, 12)
+    xq, yq = _data(3, 13)
+    ggn = _ggn(model_fn, params, buffers, x, y, lambda o, t: F.cross_entropy(o[None], t[None]))
+    gt, gq = _ref_grads(net, xent, x, y), _ref_grads(net, xent, xq, yq)
+    ref = -gq @ torch.linalg.solve(ggn + 0.01 * torch.eye(ggn.shape[0], dtype=D), gt.T)
+    got = influence_scores(model_fn, params, buffers, xent, (x, y), (xq, yq), damping=0.01,
+                           curvature="ggn", tol=1e-12)
+    torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-10)
+    with pytest.raises(ValueError, match=r"not positive definite"):
+        influence_scores(model_fn, params, buffers, xent, (x, y), (xq, yq), damping=0.01)
+    selfs = self_influence(model_fn, params, buffers, xent, (x, y), method="cg",
+                           curvature="ggn", damping=0.01, tol=1e-12)
+    inv = torch.linalg.solve(ggn + 0.01 * torch.eye(ggn.shape[0], dtype=D), gt.T)
+    torch.testing.assert_close(selfs, (gt * inv.T).sum(1), rtol=1e-7, atol=1e-10)

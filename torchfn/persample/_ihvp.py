@@ -118,6 +118,21 @@ def inverse_hvp(f: Callable[..., Tensor], params: PyTree, v: PyTree, *args: Any,
         >>> res.x, bool(res.converged)
         ({'w': tensor([1., 2.])}, True)
     """
+    def matvec(flat: Tensor, unravel: Callable[[Tensor], PyTree], vec: Tensor,
+               *fargs: Any) -> Tensor:
+        return hvp(lambda p, *a: f(unravel(p), *a), flat, vec, *fargs, mode=hvp_mode)
+
+    return _solve(matvec, params, v, args, damping=damping, method=method, stacked=stacked,
+                  tol=tol, max_iter=max_iter, scale=scale, depth=depth, repeats=repeats,
+                  batch_size=batch_size, generator=generator)
+
+
+def _solve(matvec: Callable[..., Tensor], params: PyTree, v: PyTree, args: tuple[Any, ...], *,
+           damping: float, method: str, stacked: bool, tol: float, max_iter: int | None,
+           scale: float | None, depth: int, repeats: int, batch_size: int | None,
+           generator: torch.Generator | None) -> IHVPResult:
+    """:func:`inverse_hvp` for any curvature: ``matvec(flat, unravel, vec, *args) -> C vec``
+    (flat ``(P,)`` vectors)."""
     damping = _check_damping(damping)
     if method not in _METHODS:
         raise ValueError(f"{_WHERE}(method=...): expected one of {_METHODS}, got {method!r}")
@@ -125,9 +140,7 @@ def inverse_hvp(f: Callable[..., Tensor], params: PyTree, v: PyTree, *args: Any,
     b = _stack_flat(v, params, stacked).to(flat.dtype)
 
     def h_times(vecs: Tensor, *fargs: Any) -> Tensor:
-        def one(vec: Tensor) -> Tensor:
-            return hvp(lambda p, *a: f(unravel(p), *a), flat, vec, *fargs, mode=hvp_mode)
-        return vmap(one)(vecs) + damping * vecs
+        return vmap(lambda vec: matvec(flat, unravel, vec, *fargs))(vecs) + damping * vecs
 
     if method == "cg":
         x, res, its, conv = _cg(h_times, b, args, tol, max_iter, damping)
@@ -172,8 +185,9 @@ def _cg(h_times: Callable[..., Tensor], b: Tensor, args: tuple[Any, ...], tol: f
                 f"{float(pap[j] / (p_a[j] * p_a[j]).sum()):.4g} <= 0 (right-hand side "
                 f"{int(idx[j])}, damping={damping}). The Hessian of a non-convex loss, or away "
                 "from a minimum, is indefinite and CG diverges on it; pass a larger damping "
-                "(above the magnitude of H's most negative eigenvalue), or use method='ekfac' "
-                "(a positive semi-definite Gauss-Newton approximation)")
+                "(above the magnitude of H's most negative eigenvalue), or a positive "
+                "semi-definite Gauss-Newton curvature (influence_scores(..., curvature='ggn') or "
+                "method='ekfac')")
         alpha = rs[idx] / pap
         x[idx] += alpha[:, None] * p_a
         r[idx] -= alpha[:, None] * ap

@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.func import jacrev, jvp, vjp, vmap
+from torch.func import grad, jacrev, jvp, vjp, vmap
 
 from torchfn._checks import _call_model
 from torchfn.persample._attribution import grad_inner_products
 from torchfn.persample._ekfac import EKFAC, ekfac_inverse_hvp, ekfac_self_influence, fit_ekfac
 from torchfn.persample._ghost_norms import GhostModel
-from torchfn.persample._ihvp import inverse_hvp
+from torchfn.persample._ihvp import _solve, inverse_hvp
 
 __all__ = ["influence_scores", "self_influence"]
 
@@ -23,7 +23,10 @@ _METHODS = ("cg", "lissa", "ekfac", "identity")
 _SELF_METHODS = (*_METHODS, "tracin")
 _EKFAC_KEYS = ("ekfac", "fisher", "other_layers", "chunk_size")
 _SOLVER_KEYS = ("tol", "max_iter", "scale", "depth", "repeats", "batch_size", "generator",
-                "hvp_mode")
+                "hvp_mode", "curvature")
+_SOLVE_DEFAULTS = {"tol": 1e-6, "max_iter": None, "scale": None, "depth": 100, "repeats": 1,
+                   "batch_size": None, "generator": None}
+_CURVATURES = ("hessian", "ggn")
 
 
 def _pair(data: Any, name: str, where: str) -> tuple[Any, Any]:
@@ -87,17 +90,52 @@ def _inverse(method: str, model_fn: Any, params: Mapping[str, Tensor],
                             f"{type(ek).__name__}")
         return ekfac_inverse_hvp(ek, g, damping=damping, stacked=True)
 
-    def mean_loss(p: TensorDict, inputs: Any, targets: Any) -> Tensor:
-        return losses(p, inputs, targets).mean()
+    options = dict(options)
+    curvature = options.pop("curvature", "hessian")
+    if curvature not in _CURVATURES:
+        raise ValueError(f"{where}(curvature=...): expected one of {_CURVATURES}, got "
+                         f"{curvature!r}")
+    if curvature == "ggn":
+        if "hvp_mode" in options:
+            raise TypeError(f"{where}(curvature='ggn'): hvp_mode is for the Hessian; the "
+                            "Gauss-Newton product is jvp, output Hessian, vjp")
+        res = _solve(_ggn_matvec(model_fn, params, buffers, loss_fn, where), p0, g, hdata,
+                     damping=damping, method=method, stacked=True,
+                     **{**_SOLVE_DEFAULTS, **options})
+    else:
+        def mean_loss(p: TensorDict, inputs: Any, targets: Any) -> Tensor:
+            return losses(p, inputs, targets).mean()
 
-    res = inverse_hvp(mean_loss, p0, g, *hdata, damping=damping, method=method,  # type: ignore[arg-type]
-                      stacked=True, **options)
+        res = inverse_hvp(mean_loss, p0, g, *hdata, damping=damping,  # type: ignore[arg-type]
+                          method=method, stacked=True, **options)
     if method == "cg" and not bool(res.converged.all()):
         raise ValueError(f"{where}(method='cg'): CG did not reach tol for every right-hand side "
                          f"(relative residuals {res.residual.tolist()} after "
                          f"{res.iterations.tolist()} iterations); raise max_iter or damping "
                          "(a better-conditioned system), or loosen tol")
     return res.x
+
+
+def _ggn_matvec(model_fn: Any, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+                loss_fn: LossFn, where: str) -> Callable[..., Tensor]:
+    """``G vec``: the Gauss-Newton matrix ``mean_n J_n^T H_out,n J_n`` of the mean loss."""
+    def matvec(flat: Tensor, unravel: Callable[[Tensor], TensorDict], vec: Tensor, inputs: Any,
+               targets: Any) -> Tensor:
+        def out_fn(pf: Tensor) -> Tensor:
+            out = _call_model(model_fn, {**params, **unravel(pf)}, buffers, inputs, where)[0]
+            if not isinstance(out, Tensor):
+                raise TypeError(f"{where}(curvature='ggn'): the model must return a tensor, got "
+                                f"{type(out).__name__}; use curvature='hessian'")
+            return out
+
+        def loss_grad(o: Tensor) -> Tensor:
+            return grad(lambda o: loss_fn(o, targets).sum())(o)
+
+        out, jv = jvp(out_fn, (flat,), (vec,))
+        h_jv = jvp(loss_grad, (out,), (jv,))[1]
+        return vjp(out_fn, flat)[1](h_jv)[0] / out.shape[0]
+
+    return matvec
 
 
 def _dot_train(losses: Callable[..., Tensor], p0: TensorDict, x: TensorDict, inputs: Any,
@@ -166,9 +204,14 @@ def influence_scores(model_fn: Any, params: Mapping[str, Tensor], buffers: Mappi
 
     - ``"cg"``: :func:`inverse_hvp` by conjugate gradient, batched over the queries; options
       ``tol``, ``max_iter``, ``hvp_mode``. Not converging raises ``ValueError``; so does an
-      indefinite ``H + damping I`` (raise ``damping``).
+      indefinite ``H + damping I`` (raise ``damping``, or use the Gauss-Newton matrix).
     - ``"lissa"``: :func:`inverse_hvp` by LiSSA; options ``scale`` (required), ``depth``,
       ``repeats``, ``batch_size``, ``generator`` (required), ``hvp_mode``.
+    - with either, option ``curvature="ggn"`` replaces ``H`` by the Gauss-Newton matrix
+      ``mean_n J_n^T H_out,n J_n`` (``J_n`` the Jacobian of sample ``n``'s model output,
+      ``H_out,n`` the Hessian of its loss in that output): positive semi-definite for convex
+      losses such as cross-entropy, the matrix EK-FAC approximates; the model must return a
+      tensor. Each product is a jvp, an output-space HVP and a vjp.
     - ``"ekfac"``: EK-FAC curvature of the ``nn.Linear`` layers (:func:`fit_ekfac` on
       ``hessian_data``, a Gauss-Newton approximation: positive semi-definite, so any
       ``damping > 0`` works); ``model_fn`` must be a :class:`GhostModel`; options ``ekfac``
