@@ -1,5 +1,6 @@
 """Per-sample gradients at scale: ghost norms, DP-SGD, Poisson sampling, privacy accounting,
-gradient statistics (the per-sample transforms themselves are in :mod:`torchfn.functional`)."""
+gradient statistics, data attribution and influence functions (the per-sample transforms
+themselves are in :mod:`torchfn.functional`)."""
 
 from torchfn.persample._accountant import DEFAULT_RDP_ORDERS as DEFAULT_RDP_ORDERS
 from torchfn.persample._accountant import RDPAccountant as RDPAccountant
@@ -19,6 +20,10 @@ from torchfn.persample._dpsgd import DPTrainStep as DPTrainStep
 from torchfn.persample._dpsgd import init_dp_state as init_dp_state
 from torchfn.persample._dpsgd import make_dp_train_step as make_dp_train_step
 from torchfn.persample._dpsgd import run_chunks as run_chunks
+from torchfn.persample._ekfac import EKFAC as EKFAC
+from torchfn.persample._ekfac import EKFACLayer as EKFACLayer
+from torchfn.persample._ekfac import ekfac_inverse_hvp as ekfac_inverse_hvp
+from torchfn.persample._ekfac import fit_ekfac as fit_ekfac
 from torchfn.persample._ghost_grads import GhostGrads as GhostGrads
 from torchfn.persample._ghost_grads import GhostResult as GhostResult
 from torchfn.persample._ghost_layers import GhostLayerError as GhostLayerError
@@ -35,17 +40,24 @@ from torchfn.persample._ghost_stats import init_norm_history as init_norm_histor
 from torchfn.persample._ghost_stats import two_batch_estimates as two_batch_estimates
 from torchfn.persample._ghost_stats import update_noise_scale as update_noise_scale
 from torchfn.persample._ghost_stats import update_norm_history as update_norm_history
+from torchfn.persample._ihvp import IHVPResult as IHVPResult
+from torchfn.persample._ihvp import inverse_hvp as inverse_hvp
+from torchfn.persample._influence import influence_scores as influence_scores
+from torchfn.persample._influence import self_influence as self_influence
 
 __all__ = [
     "DEFAULT_RDP_ORDERS",
+    "EKFAC",
     "ClippedSum",
     "DPState",
     "DPTrainStep",
+    "EKFACLayer",
     "GhostGrads",
     "GhostLayerError",
     "GhostModel",
     "GhostResult",
     "GradStats",
+    "IHVPResult",
     "NoiseScaleState",
     "NormHistory",
     "PLDAccountant",
@@ -53,18 +65,23 @@ __all__ = [
     "RDPAccountant",
     "check_ghost_coverage",
     "compute_rdp",
+    "ekfac_inverse_hvp",
+    "fit_ekfac",
     "ghost_grad_norms",
     "grad_inner_products",
     "grad_stats",
+    "influence_scores",
     "init_dp_state",
     "init_noise_scale",
     "init_norm_history",
+    "inverse_hvp",
     "make_dp_train_step",
     "make_ghost_model",
     "noise_multiplier_for_epsilon",
     "pld_epsilon",
     "rdp_to_epsilon",
     "run_chunks",
+    "self_influence",
     "tracin_scores",
     "two_batch_estimates",
     "update_noise_scale",
