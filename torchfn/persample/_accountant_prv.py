@@ -220,11 +220,7 @@ class _StepPRV:
             bottom = j_lo * h  # a truncation point on the mesh: Y < bottom moves up to it
         if math.isinf(y_hi):
             top = j_hi * h  # Y > top becomes +inf
-        if j_hi - j_lo < 2:
-            raise RuntimeError(
-                f"PRV discretisation: mesh {h:.3g} is coarser than the privacy loss support "
-                f"[{bottom:.3g}, {top:.3g}] of sigma={self.sigma}, q={self.q}; lower eps_error"
-            )
+        j_hi = max(j_hi, j_lo + 1)  # at least one bin
         g = np.arange(j_lo, j_hi + 1, dtype=np.float64) * h  # mesh points; bins between them
         lo_c = np.clip(g[:-1], bottom, top)  # each bin cut to [bottom, top]
         hi_c = np.clip(g[1:], bottom, top)
@@ -288,22 +284,23 @@ def _eps_for_delta(s: np.ndarray, w: np.ndarray, p_inf: float, delta: float) -> 
         return math.inf
     keep = s > 0
     s, w = s[keep], w[keep]
-    # suffix sums above each point: A_m = p_inf + sum_{j > m} w_j, B_m = sum_{j > m} w_j e^-s_j
-    a_suf = p_inf + np.concatenate((np.cumsum(w[::-1])[::-1][1:], [0.0]))
-    b_suf = np.concatenate((np.cumsum((w * np.exp(-s))[::-1])[::-1][1:], [0.0]))
-    d = a_suf - np.exp(s) * b_suf  # delta at eps = s_m, non-increasing in m
-    a0 = p_inf + w.sum()
-    b0 = float(np.sum(w * np.exp(-s)))
-    if a0 - b0 <= delta:  # delta(0) already small enough
+    if s.size == 0:
         return 0.0
-    m = int(np.searchsorted(-d, -delta, side="left"))  # first m with d[m] <= delta
-    if m == 0:
-        a_m, b_m = a0, b0  # eps in [0, s_0]
-    else:
-        a_m, b_m = a_suf[m - 1], b_suf[m - 1]  # eps in [s_{m-1}, s_m]
-    if b_m <= 0:
-        return float(s[m - 1]) if m > 0 else 0.0
-    return max(math.log(max(a_m - delta, 1e-300) / b_m), 0.0)
+    # delta at eps, between mesh points s_{m-1} <= eps <= s_m: A_m - exp(eps) B_m with suffix sums
+    # A_m = p_inf + sum_{j >= m} w_j and B_m = sum_{j >= m} w_j exp(-s_j) (in logs: no overflow)
+    with np.errstate(divide="ignore"):
+        log_b = np.logaddexp.accumulate((np.log(w) - s)[::-1])[::-1]
+    a = p_inf + np.cumsum(w[::-1])[::-1]
+    # delta at eps = s_m (w_m's term is 0 there): suffix sums from m + 1
+    a_next = np.append(a[1:], p_inf)
+    d = a_next - np.exp(np.append(log_b[1:], -np.inf) + s)
+    if a[0] - math.exp(log_b[0]) <= delta:  # delta(0) is already small enough
+        return 0.0
+    m = int(np.searchsorted(-d, -delta, side="left"))  # first mesh point with delta <= target
+    if m >= s.size:
+        return math.inf  # only the +inf atom is left above; cannot happen as delta > p_inf
+    # eps in [s_{m-1}, s_m] (or [0, s_0]): the terms j >= m are active
+    return max(math.log(max(a[m] - delta, 1e-300)) - float(log_b[m]), 0.0)
 
 
 def _compose(history: tuple[tuple[float, float, int], ...], direction: str, h: float,
