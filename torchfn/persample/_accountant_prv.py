@@ -57,8 +57,9 @@ composed mesh PMF on the circle (``+inf`` atoms included),
 subsampled Gaussian up to floating-point round-off (of the FFT, about ``1e-16`` per mesh point,
 and of the Gauss-Legendre ``theta``, near machine precision on the narrow bins), which the
 bound does not include. The mesh is chosen so that ``eps_err = eps_error`` (the
-``eps_error`` argument, default 0.01), with ``delta_h = delta_error / 2`` and the truncation
-and window tails each given ``delta_error / 4`` (``delta_error`` defaults to ``delta / 1000``).
+``eps_error`` argument, default 0.01), with ``delta_h = delta_error / 2``; the truncation (all
+steps together) and each window tail get ``delta_error / 1000``, so that they barely move the
+estimate either (``delta_error`` defaults to ``delta / 1000``).
 
 ``eps_c`` inverts ``delta_c`` exactly: ``delta_c`` is ``A - exp(eps) B`` between mesh points
 (suffix sums ``A``, ``B``), so the grid interval is found by a search and the value in it in
@@ -90,8 +91,10 @@ __all__ = ["PRVAccountant", "PRVEpsilon", "prv_epsilon"]
 
 _STATE_FORMAT = "torchfn.prv_accountant"
 _STATE_VERSION = 1
-_MAX_MESH = 1 << 24  # composed mesh points (a 128 MiB float64 array)
+_MAX_MESH = 1 << 24  # mesh points (a 128 MiB float64 array)
+_CHUNK = 1 << 16  # mesh bins per Gauss-Legendre batch
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(8)
+_TAIL_SHARE = 1e-3  # of delta_error, for the truncation (all steps together) and each window tail
 _LAMBDAS = np.array([1 / 8, 1 / 4, 1 / 2, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
 
 
@@ -209,7 +212,7 @@ class _StepPRV:
                 hi = mid
         return float(self.loss(np.array([hi if upper else lo]))[0])
 
-    def discretise(self, h: float, tail_prob: float) -> tuple[int, np.ndarray, float, float]:
+    def discretise(self, h: float, tail_prob: float, where: str) -> tuple[int, np.ndarray, float, float]:
         """Return ``(j0, pmf, p_inf, p_trunc)``: mass ``pmf[i]`` at ``(j0 + i) h``, an atom
         ``p_inf`` at ``+inf`` and the probability ``p_trunc`` that truncation moved ``Y``."""
         y_lo, y_hi = self.support
@@ -221,15 +224,25 @@ class _StepPRV:
         if math.isinf(y_hi):
             top = j_hi * h  # Y > top becomes +inf
         j_hi = max(j_hi, j_lo + 1)  # at least one bin
+        if j_hi - j_lo + 1 > _MAX_MESH:
+            raise ValueError(
+                f"{where}: the PRV mesh would need {j_hi - j_lo + 1} points (more than "
+                f"{_MAX_MESH}) for one step's privacy loss range [{bottom:.3g}, {top:.3g}] "
+                f"(noise_multiplier={self.sigma}, sample_rate={self.q}) at spacing {h:.3g}; "
+                "raise eps_error or delta_error"
+            )
         g = np.arange(j_lo, j_hi + 1, dtype=np.float64) * h  # mesh points; bins between them
         lo_c = np.clip(g[:-1], bottom, top)  # each bin cut to [bottom, top]
         hi_c = np.clip(g[1:], bottom, top)
         u_hi = self.inverse(hi_c)
         m = self.mass(self.inverse(lo_c), u_hi)
         # first moment E[(Y - g_lo) 1{Y in bin}] = m (lo_c - g_lo) + int_lo_c^hi_c P(y < Y <= hi_c)
-        half = 0.5 * (hi_c - lo_c)
-        nodes = (lo_c + half)[:, None] + half[:, None] * _GL_NODES[None, :]
-        inner = self.mass(self.inverse(nodes), u_hi[:, None]) @ _GL_WEIGHTS * half
+        inner = np.empty_like(m)
+        for c in range(0, m.size, _CHUNK):
+            sl = slice(c, c + _CHUNK)
+            half = 0.5 * (hi_c[sl] - lo_c[sl])
+            nodes = (lo_c[sl] + half)[:, None] + half[:, None] * _GL_NODES[None, :]
+            inner[sl] = self.mass(self.inverse(nodes), u_hi[sl, None]) @ _GL_WEIGHTS * half
         with np.errstate(invalid="ignore", divide="ignore"):
             theta = np.where(m > 0, (m * (lo_c - g[:-1]) + inner) / (h * m), 0.5)
         theta = np.clip(theta, 0.0, 1.0)
@@ -251,9 +264,12 @@ def _log_mgf(j0: int, pmf: np.ndarray, h: float, lambdas: np.ndarray) -> np.ndar
     pos = pmf > 0
     logw = np.log(pmf[pos])
     y = (j0 + np.flatnonzero(pos)) * h
-    x = lambdas[:, None] * y[None, :] + logw[None, :]
-    mx = x.max(axis=1)
-    return mx + np.log(np.exp(x - mx[:, None]).sum(axis=1))
+    out = np.empty(lambdas.size)
+    for i, lam in enumerate(lambdas.tolist()):
+        x = lam * y + logw
+        mx = x.max()
+        out[i] = mx + math.log(np.exp(x - mx).sum())
+    return out
 
 
 def _fast_size(n: int) -> int:
@@ -309,7 +325,7 @@ def _compose(history: tuple[tuple[float, float, int], ...], direction: str, h: f
     """Return ``(s, w, p_inf, tau_low, tau_high, p_trunc)`` of one direction's composition."""
     parts = []
     for sigma, q, steps in history:
-        j0, pmf, p_inf, p_trunc = _StepPRV(sigma, q, direction).discretise(h, tail_prob)
+        j0, pmf, p_inf, p_trunc = _StepPRV(sigma, q, direction).discretise(h, tail_prob, where)
         parts.append((j0, pmf, p_inf, p_trunc, steps))
 
     log_up = sum(k * _log_mgf(j0, pmf, h, _LAMBDAS) for j0, pmf, _, _, k in parts)
@@ -367,13 +383,13 @@ def _prv_bounds(history: tuple[tuple[float, float, int], ...], delta: float, eps
     delta_h = d_err / 2.0
     total_steps = sum(k for *_, k in history)
     h = _mesh(history, eps_error, delta_h)
-    tail_prob = d_err / 4.0 / total_steps
+    tail_prob = d_err * _TAIL_SHARE / total_steps
     eps_err = h * math.sqrt(total_steps * math.log(1.0 / delta_h) / 2.0)
     directions = ("remove",) if all(q == 1.0 for _, q, _ in history) else ("remove", "add")
     low = est = up = 0.0
     for direction in directions:
         s, w, p_inf, tau_low, tau_high, p_trunc = _compose(
-            history, direction, h, tail_prob, d_err / 4.0, where)
+            history, direction, h, tail_prob, d_err * _TAIL_SHARE, where)
         up_d = _eps_for_delta(s, w, p_inf, delta - tau_high - delta_h)
         est_d = _eps_for_delta(s, w, p_inf, delta)
         low_d = _eps_for_delta(s, w, p_inf, min(delta + tau_low + delta_h + p_trunc, 1.0 - 1e-12))
