@@ -16,7 +16,7 @@ from torchfn.persample import (
     prv_epsilon,
 )
 
-# (q, sigma, steps, delta, PLD epsilon of dp-accounting 2.4.6 at interval 1e-4, RDP epsilon):
+# (q, sigma, steps, delta, PLD epsilon of dp-accounting 0.6.0 at interval 1e-4, RDP epsilon):
 # issue 19's settings (`torchfn dp epsilon --accountant pld|rdp` prints them)
 SETTINGS = [
     (0.01, 1.1, 1000, 1e-5, 1.515370, 1.711770),
