@@ -15,6 +15,7 @@ import argparse
 import importlib.metadata
 import json
 import platform
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,9 +54,9 @@ def main() -> None:
           "PRV low / estimate |")
     print("|---|---|---|---|---|---|---|---|")
     for q, sigma, steps, delta in SETTINGS:
-        t_rdp = time_calls(lambda: _rdp(q, sigma, steps, delta), None, warmup=1,
+        t_rdp = time_calls(partial(_rdp, q, sigma, steps, delta), None, warmup=1,
                            repeats=args.repeats)
-        t_prv = time_calls(lambda: _prv(q, sigma, steps, delta), None, warmup=1,
+        t_prv = time_calls(partial(_prv, q, sigma, steps, delta), None, warmup=1,
                            repeats=args.repeats)
         low, est, up = t_prv.first_output
         row = {"q": q, "sigma": sigma, "steps": steps, "delta": delta,
@@ -63,7 +64,7 @@ def main() -> None:
                "prv_low": low, "prv_estimate": est, "prv_upper": up, "prv_s": t_prv.median_s}
         pld = "n/a (no dp_accounting)"
         if pld_version is not None:
-            t_pld = time_calls(lambda: pld_epsilon(q, sigma, steps, delta), None, warmup=1,
+            t_pld = time_calls(partial(pld_epsilon, q, sigma, steps, delta), None, warmup=1,
                                repeats=args.repeats)
             row.update(pld=t_pld.first_output, pld_s=t_pld.median_s)
             pld = f"{t_pld.first_output:.4f} ({t_pld.median_s:.2f})"
