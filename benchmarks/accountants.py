@@ -6,7 +6,7 @@ the time to compute it from scratch (no caching: one function call per repeat; m
 ``--repeats`` after one warm-up call). PLD rows are skipped when ``dp_accounting`` is missing.
 Host-side float64 on one CPU thread.
 
-    OMP_NUM_THREADS=1 python benchmarks/accountants.py --out benchmarks/results/accountants-cpu.json
+    OMP_NUM_THREADS=1 python benchmarks/accountants.py --out accountants-cpu.json
 """
 
 from __future__ import annotations
