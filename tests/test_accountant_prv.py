@@ -57,6 +57,19 @@ def test_gaussian_mechanism_matches_the_analytic_epsilon(sigma, steps, delta):
     assert exact <= prv_epsilon(1.0, sigma, steps, delta) <= exact + 0.011
 
 
+@pytest.mark.parametrize("eps_error", [0.5, 0.1, 0.03])
+def test_bounds_hold_on_coarse_meshes(eps_error):
+    """The proven bounds contain the exact epsilon however coarse the mesh (q = 1, where the
+    exact value is known); the estimate moves by less than eps_error."""
+    for sigma, steps, delta in [(0.8, 1, 1e-5), (1.5, 30, 1e-6), (5.0, 400, 1e-3)]:
+        exact = _gaussian_epsilon(delta, math.sqrt(steps) / sigma)
+        b = PRVAccountant(eps_error=eps_error)
+        b.step(noise_multiplier=sigma, sample_rate=1.0, steps=steps)
+        low, estimate, upper = b.get_epsilon_bounds(delta)
+        assert low <= exact <= upper
+        assert abs(estimate - exact) < eps_error
+
+
 @pytest.mark.parametrize(("q", "sigma", "steps", "delta", "pld_ref", "rdp_ref"), SETTINGS)
 def test_prv_matches_pld_and_beats_rdp_on_issue_settings(q, sigma, steps, delta, pld_ref,
                                                          rdp_ref):

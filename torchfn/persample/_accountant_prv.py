@@ -235,7 +235,7 @@ class _StepPRV:
         lo_c = np.clip(g[:-1], bottom, top)  # each bin cut to [bottom, top]
         hi_c = np.clip(g[1:], bottom, top)
         u_hi = self.inverse(hi_c)
-        m = self.mass(self.inverse(lo_c), u_hi)
+        m = np.maximum(self.mass(self.inverse(lo_c), u_hi), 0.0)
         # first moment E[(Y - g_lo) 1{Y in bin}] = m (lo_c - g_lo) + int_lo_c^hi_c P(y < Y <= hi_c)
         inner = np.empty_like(m)
         for c in range(0, m.size, _CHUNK):
@@ -286,12 +286,6 @@ def _fast_size(n: int) -> int:
             p35 *= 3
         p5 *= 5
     return best
-
-
-def _mesh(history: tuple[tuple[float, float, int], ...], eps_error: float,
-          delta_h: float) -> float:
-    total = sum(steps for _, _, steps in history)
-    return eps_error / math.sqrt(total * math.log(1.0 / delta_h) / 2.0)
 
 
 def _eps_for_delta(s: np.ndarray, w: np.ndarray, p_inf: float, delta: float) -> float:
@@ -382,9 +376,10 @@ def _prv_bounds(history: tuple[tuple[float, float, int], ...], delta: float, eps
     history = tuple(events)
     delta_h = d_err / 2.0
     total_steps = sum(k for *_, k in history)
-    h = _mesh(history, eps_error, delta_h)
+    # Hoeffding: P(sum of the K rounding errors < -eps_err) <= delta_h for this mesh spacing
+    h = eps_error / math.sqrt(total_steps * math.log(1.0 / delta_h) / 2.0)
+    eps_err = h * math.sqrt(total_steps * math.log(1.0 / delta_h) / 2.0)  # = eps_error
     tail_prob = d_err * _TAIL_SHARE / total_steps
-    eps_err = h * math.sqrt(total_steps * math.log(1.0 / delta_h) / 2.0)
     directions = ("remove",) if all(q == 1.0 for _, q, _ in history) else ("remove", "add")
     low = est = up = 0.0
     for direction in directions:
