@@ -235,3 +235,35 @@ def test_cli_dp_epsilon_prv(capsys):
     out = capsys.readouterr().out
     assert out == f"{prv_epsilon(0.01, 1.1, 1000, 1e-5):.6f}\n"
     assert float(out) == pytest.approx(1.525423, abs=2e-6)
+
+
+def test_dp_step_run_steps_a_prv_accountant() -> None:
+    """DPTrainStep.run takes a PRVAccountant as it takes an RDPAccountant: one logical step,
+    one (sigma, q) entry, and an epsilon below RDP's for the same history."""
+    import torch
+    import torch.nn.functional as F
+    import torchopt
+    from torch import nn
+
+    from torchfn.persample import (
+        PoissonSampler,
+        init_dp_state,
+        make_dp_train_step,
+        make_ghost_model,
+    )
+
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(nn.Linear(4, 2))
+    opt = torchopt.sgd(0.1)
+    step = make_dp_train_step(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"), opt,
+                              noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1,
+                              dataset_size=40)
+    x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+    chunks = PoissonSampler(40, 0.1, 16, seed=0).sample(0)
+    prv, rdp = PRVAccountant(), RDPAccountant()
+    state = init_dp_state(params, buffers, opt, seed=0)
+    for acct in (prv, rdp):
+        for _ in range(3):
+            step.run(state, chunks, lambda i: (x[i], y[i]), acct)
+    assert prv.history == rdp.history == ((1.0, 0.1, 3),)
+    assert 0 < prv.get_epsilon(1e-5) < rdp.get_epsilon(1e-5)

@@ -22,14 +22,18 @@ sum of Gaussian CDFs.
 
 Discretisation (per step, mesh ``h``, grid points ``j * h``):
 
-1. Truncation: ``Y`` is cut to ``[a, b]``: mass below ``a`` is moved up to ``a`` and mass above
-   ``b`` becomes an atom at ``+inf`` (it counts fully towards delta). Both only increase ``Y``,
-   so ``delta`` can only grow (the hockey-stick integrand is non-decreasing in ``Y``).
+1. Truncation, at the unbounded ends of the support only (remove: above; add: below; both for
+   ``q = 1``), at mesh points ``a`` / ``b`` with tail mass ``delta_error / (1000 K)`` each: mass
+   below ``a`` is moved up to ``a`` and mass above ``b`` becomes an atom at ``+inf`` (it counts
+   fully towards delta). Both only increase ``Y``, so ``delta`` can only grow (the
+   hockey-stick integrand is non-decreasing in ``Y``).
 2. Mean-preserving rounding: the mass of each mesh bin ``[jh, (j+1)h]`` is split between its two
    end points in proportion to its conditional mean (``theta`` of it at ``(j+1)h``), which is
    randomised rounding of ``Y`` to ``Y' = Y + Z`` with ``E[Z | Y] = 0`` and ``Z`` in an
    interval of length ``h``. Bin masses come from Gaussian CDF differences (in upper-tail form
-   where that is more accurate) and ``theta`` from an 8-point Gauss-Legendre rule in ``u``.
+   where that is more accurate) and ``theta`` from ``E[(Y - jh) 1{bin}] = int_bin P(y < Y <=
+   (j+1)h) dy`` by an 8-point Gauss-Legendre rule in ``y`` (a bin that holds an end of the
+   support, such as ``log(1 - q)``, is integrated over its part inside the support).
 3. Composition: the truncated, rounded PMFs of all steps are composed by FFT on a circular
    mesh of ``n`` points (self-composition as a power of the transform, phases of a
    heterogeneous history as a product of transforms). The circle spans a window
@@ -55,8 +59,8 @@ composed mesh PMF on the circle (``+inf`` atoms included),
 
 ``eps_upper`` is the accountant's epsilon: it is an upper bound on the true epsilon of the
 subsampled Gaussian up to floating-point round-off (of the FFT, about ``1e-16`` per mesh point,
-and of the Gauss-Legendre ``theta``, near machine precision on the narrow bins), which the
-bound does not include. The mesh is chosen so that ``eps_err = eps_error`` (the
+and of the Gauss-Legendre ``theta`` of a smooth integrand over one mesh bin), which the bound
+does not include. The mesh is chosen so that ``eps_err = eps_error`` (the
 ``eps_error`` argument, default 0.01), with ``delta_h = delta_error / 2``; the truncation (all
 steps together) and each window tail get ``delta_error / 1000``, so that they barely move the
 estimate either (``delta_error`` defaults to ``delta / 1000``).
