@@ -133,8 +133,8 @@ def test_noise_multiplier_for_epsilon_pld():
 
 
 def test_bad_arguments_name_the_argument():
-    with pytest.raises(ValueError, match='accountant must be "rdp" or "pld"; got \'prv\''):
-        noise_multiplier_for_epsilon(1.0, 1e-5, 0.01, 100, accountant="prv")
+    with pytest.raises(ValueError, match='accountant must be "rdp", "pld" or "prv"; got \'gdp\''):
+        noise_multiplier_for_epsilon(1.0, 1e-5, 0.01, 100, accountant="gdp")
     with pytest.raises(ValueError, match='orders and conversion apply to accountant="rdp" only'):
         noise_multiplier_for_epsilon(1.0, 1e-5, 0.01, 100, accountant="pld", orders=(2.0, 4.0))
     with pytest.raises(ValueError, match=r"value_discretization_interval must be in \(0, 1\]"):
@@ -186,9 +186,9 @@ def test_cli_dp_epsilon_bad_arguments(capsys):
     assert "--sigma must be a finite noise multiplier >= 0; got -1.0" in err
     with pytest.raises(SystemExit) as exc:
         main(["dp", "epsilon", "--q", "0.01", "--sigma", "1", "--steps", "10", "--delta", "1e-5",
-              "--accountant", "prv"])
+              "--accountant", "gdp"])
     assert exc.value.code == 2
-    assert "invalid choice: 'prv'" in capsys.readouterr().err
+    assert "invalid choice: 'gdp'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["dp", "epsilon", "--q", "0.01"])
     assert "required: --sigma, --steps, --delta" in capsys.readouterr().err

@@ -157,7 +157,7 @@ def _cmd_dp_epsilon(args: argparse.Namespace) -> int:
     """Print the epsilon of ``steps`` Poisson-sampled Gaussian steps at ``delta``."""
     import math
 
-    from torchfn.persample import RDPAccountant, pld_epsilon
+    from torchfn.persample import RDPAccountant, pld_epsilon, prv_epsilon
 
     bad = []
     if not 0.0 <= args.q <= 1.0:
@@ -175,6 +175,8 @@ def _cmd_dp_epsilon(args: argparse.Namespace) -> int:
     try:
         if args.accountant == "pld":
             eps = pld_epsilon(args.q, args.sigma, args.steps, args.delta)
+        elif args.accountant == "prv":
+            eps = prv_epsilon(args.q, args.sigma, args.steps, args.delta)
         else:
             acct = RDPAccountant()
             acct.step(noise_multiplier=args.sigma, sample_rate=args.q, steps=args.steps)
@@ -212,9 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="noise multiplier (noise std / clipping norm), >= 0")
     p.add_argument("--steps", type=int, required=True, help="number of steps, >= 0")
     p.add_argument("--delta", type=float, required=True, help="target delta, in (0, 1)")
-    p.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
-                   help="rdp (default, no extra dependency) or pld (tighter; needs "
-                        'pip install "torchfn[accounting]")')
+    p.add_argument("--accountant", choices=("rdp", "pld", "prv"), default="rdp",
+                   help="rdp (default, no extra dependency), pld (tighter; needs "
+                        'pip install "torchfn[accounting]") or prv (as tight as pld, no extra '
+                        "dependency; prints the upper bound eps_upper)")
     p.set_defaults(func=_cmd_dp_epsilon)
     args = parser.parse_args(argv)
     return int(args.func(args))

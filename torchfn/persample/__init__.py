@@ -11,6 +11,9 @@ from torchfn.persample._accountant import (
 from torchfn.persample._accountant import rdp_to_epsilon as rdp_to_epsilon
 from torchfn.persample._accountant_pld import PLDAccountant as PLDAccountant
 from torchfn.persample._accountant_pld import pld_epsilon as pld_epsilon
+from torchfn.persample._accountant_prv import PRVAccountant as PRVAccountant
+from torchfn.persample._accountant_prv import PRVEpsilon as PRVEpsilon
+from torchfn.persample._accountant_prv import prv_epsilon as prv_epsilon
 from torchfn.persample._attribution import grad_inner_products as grad_inner_products
 from torchfn.persample._attribution import tracin_scores as tracin_scores
 from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
@@ -61,6 +64,8 @@ __all__ = [
     "NoiseScaleState",
     "NormHistory",
     "PLDAccountant",
+    "PRVAccountant",
+    "PRVEpsilon",
     "PoissonSampler",
     "RDPAccountant",
     "check_ghost_coverage",
@@ -79,6 +84,7 @@ __all__ = [
     "make_ghost_model",
     "noise_multiplier_for_epsilon",
     "pld_epsilon",
+    "prv_epsilon",
     "rdp_to_epsilon",
     "run_chunks",
     "self_influence",

@@ -378,7 +378,7 @@ def noise_multiplier_for_epsilon(
     orders: Sequence[float] = DEFAULT_RDP_ORDERS,
     conversion: Conversion = "improved",
     rtol: float | None = None,
-    accountant: Literal["rdp", "pld"] = "rdp",
+    accountant: Literal["rdp", "pld", "prv"] = "rdp",
 ) -> float:
     """Return the smallest noise multiplier whose DP-SGD run stays within ``target_epsilon``.
 
@@ -394,10 +394,13 @@ def noise_multiplier_for_epsilon(
         orders: Rényi orders to optimise over (default :data:`DEFAULT_RDP_ORDERS`).
         conversion: ``"improved"`` (default) or ``"classic"``; see :func:`rdp_to_epsilon`.
         rtol: relative precision of the returned sigma, in ``(0, 0.1]``; default ``1e-6`` for
-            ``"rdp"`` and ``1e-4`` for ``"pld"`` (each PLD evaluation takes about a second).
-        accountant: ``"rdp"`` (default, :class:`RDPAccountant`'s bound) or ``"pld"``
+            ``"rdp"`` and ``1e-4`` for ``"pld"`` and ``"prv"`` (each PLD evaluation takes about
+            a second, each PRV evaluation a fraction of one).
+        accountant: ``"rdp"`` (default, :class:`RDPAccountant`'s bound), ``"pld"``
             (:class:`PLDAccountant`'s tighter bound, a smaller sigma; needs the optional
-            ``dp_accounting`` package). ``orders`` and ``conversion`` apply to ``"rdp"`` only.
+            ``dp_accounting`` package) or ``"prv"`` (:class:`PRVAccountant`'s upper bound
+            ``eps_upper`` at its default ``eps_error=0.01``, as tight as PLD's, no optional
+            dependency). ``orders`` and ``conversion`` apply to ``"rdp"`` only.
 
     Raises:
         ValueError: when no amount of noise reaches ``target_epsilon`` (with these orders the
@@ -413,8 +416,10 @@ def noise_multiplier_for_epsilon(
         True
     """
     where = "noise_multiplier_for_epsilon"
-    if accountant not in ("rdp", "pld"):
-        raise ValueError(f'{where}: accountant must be "rdp" or "pld"; got {accountant!r}')
+    if accountant not in ("rdp", "pld", "prv"):
+        raise ValueError(
+            f'{where}: accountant must be "rdp", "pld" or "prv"; got {accountant!r}'
+        )
     if rtol is None:
         rtol = 1e-6 if accountant == "rdp" else 1e-4
     try:
@@ -432,13 +437,13 @@ def noise_multiplier_for_epsilon(
     conversion = _check_conversion(conversion, where)
     if not 0.0 < rtol <= 0.1:
         raise ValueError(f"{where}: rtol must be in (0, 0.1]; got {rtol!r}")
-    if accountant == "pld":
+    if accountant != "rdp":
         if orders is not DEFAULT_RDP_ORDERS or conversion != "improved":
             raise ValueError(
                 f'{where}: orders and conversion apply to accountant="rdp" only; got '
-                f'accountant="pld" with orders or conversion={conversion!r} set'
+                f'accountant="{accountant}" with orders or conversion={conversion!r} set'
             )
-        return _pld_noise_multiplier(target, delta, q, steps, rtol, where)
+        return _curve_noise_multiplier(target, delta, q, steps, rtol, accountant, where)
 
     def eps_at(sigma: float) -> float:
         rdp = _rdp_one_step(q, sigma, orders_arr) * steps if steps else np.zeros_like(orders_arr)
@@ -470,16 +475,22 @@ def noise_multiplier_for_epsilon(
     return hi
 
 
-def _pld_noise_multiplier(
-    target: float, delta: float, q: float, steps: int, rtol: float, where: str
+def _curve_noise_multiplier(
+    target: float, delta: float, q: float, steps: int, rtol: float, accountant: str, where: str
 ) -> float:
-    """Bisect sigma on the PLD epsilon, bracketed from the RDP sigma (PLD's is rarely far)."""
-    from torchfn.persample._accountant_pld import _import_dp_accounting, _pld_epsilon
+    """Bisect sigma on the PLD or PRV epsilon, bracketed from the RDP sigma (rarely far)."""
+    if accountant == "pld":
+        from torchfn.persample._accountant_pld import _import_dp_accounting, _pld_epsilon
 
-    _import_dp_accounting(where)
+        _import_dp_accounting(where)
 
-    def eps_at(sigma: float) -> float:
-        return _pld_epsilon(((sigma, q, steps),), delta, 1e-4, where)
+        def eps_at(sigma: float) -> float:
+            return _pld_epsilon(((sigma, q, steps),), delta, 1e-4, where)
+    else:
+        from torchfn.persample._accountant_prv import _prv_bounds
+
+        def eps_at(sigma: float) -> float:
+            return _prv_bounds(((sigma, q, steps),), delta, 0.01, None, where).upper
 
     if q == 0.0 or steps == 0:
         return 0.0
@@ -493,7 +504,7 @@ def _pld_noise_multiplier(
         if hi > 1e12:
             raise ValueError(
                 f"{where}: no noise multiplier below 1e12 reaches target_epsilon={target} "
-                f"(delta={delta}, sample_rate={q}, steps={steps}, accountant='pld')"
+                f"(delta={delta}, sample_rate={q}, steps={steps}, accountant={accountant!r})"
             )
     lo = 0.75 * hi
     while eps_at(lo) <= target:
@@ -501,8 +512,8 @@ def _pld_noise_multiplier(
         if lo < 1e-3:
             raise ValueError(
                 f"{where}: target_epsilon={target} is met with a noise multiplier below 1e-3 "
-                f"(delta={delta}, sample_rate={q}, steps={steps}); the PLD accountant is not "
-                "reliable there, use accountant='rdp'"
+                f"(delta={delta}, sample_rate={q}, steps={steps}); the {accountant.upper()} "
+                "accountant is not reliable there, use accountant='rdp'"
             )
     while hi - lo > rtol * hi:
         mid = 0.5 * (lo + hi)

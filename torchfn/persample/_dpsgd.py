@@ -55,6 +55,7 @@ from torchfn.functional import (
 )
 from torchfn.persample._accountant import RDPAccountant
 from torchfn.persample._accountant_pld import PLDAccountant
+from torchfn.persample._accountant_prv import PRVAccountant
 from torchfn.persample._dp_random import fold_in, key_from_seed, normal
 from torchfn.persample._ghost_norms import GhostModel
 
@@ -364,7 +365,7 @@ class DPTrainStep:
 
     def run(self, state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
             get_batch: Callable[[Tensor], tuple[Any, Any]],
-            accountant: RDPAccountant | PLDAccountant | None = None,
+            accountant: RDPAccountant | PLDAccountant | PRVAccountant | None = None,
             ) -> tuple[DPState, dict[str, Tensor]]:
         """Take one logical step on a :meth:`PoissonSampler.sample` draw; step ``accountant``
         (an :class:`RDPAccountant` or a :class:`PLDAccountant`), if given.
