@@ -12,6 +12,10 @@ from torchfn.persample._accountant_pld import PLDAccountant as PLDAccountant
 from torchfn.persample._accountant_pld import pld_epsilon as pld_epsilon
 from torchfn.persample._attribution import grad_inner_products as grad_inner_products
 from torchfn.persample._attribution import tracin_scores as tracin_scores
+from torchfn.persample._dp_clipping import AdaptiveClipping as AdaptiveClipping
+from torchfn.persample._dp_clipping import (
+    adaptive_grad_noise_multiplier as adaptive_grad_noise_multiplier,
+)
 from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
 from torchfn.persample._dpsgd import ClippedSum as ClippedSum
 from torchfn.persample._dpsgd import DPState as DPState
@@ -38,6 +42,7 @@ from torchfn.persample._ghost_stats import update_norm_history as update_norm_hi
 
 __all__ = [
     "DEFAULT_RDP_ORDERS",
+    "AdaptiveClipping",
     "ClippedSum",
     "DPState",
     "DPTrainStep",
@@ -51,6 +56,7 @@ __all__ = [
     "PLDAccountant",
     "PoissonSampler",
     "RDPAccountant",
+    "adaptive_grad_noise_multiplier",
     "check_ghost_coverage",
     "compute_rdp",
     "ghost_grad_norms",
