@@ -49,8 +49,10 @@ class AdaptiveClipping:
     step of the geometric update ``C_{t+1} = C_t exp(-eta_C (b_t - target_quantile))``.
     ``count_noise_multiplier`` (``sigma_b``, the std of the noise on the count of unclipped
     examples, in examples): ``None`` takes the paper's suggestion, expected batch size / 20
-    (noise std 0.05 on the fraction). It must exceed ``1 / (2 noise_multiplier)``; the
-    gradient noise multiplier is then :func:`adaptive_grad_noise_multiplier`.
+    (noise std 0.05 on the fraction). It must exceed ``noise_multiplier / 2`` (the centred
+    count has sensitivity 1/2, so alone it would cost noise multiplier ``2 sigma_b``, which
+    must leave budget for the gradient); the gradient noise multiplier is then
+    :func:`adaptive_grad_noise_multiplier`.
 
     Example:
         >>> AdaptiveClipping(target_quantile=0.7).learning_rate
@@ -85,7 +87,7 @@ def adaptive_grad_noise_multiplier(noise_multiplier: float, count_noise_multipli
     With this gradient noise and ``count_noise_multiplier = sigma_b`` on the centred count of
     unclipped examples, adaptive clipping costs exactly as much privacy as plain DP-SGD with
     ``noise_multiplier = sigma`` (Andrew et al. 2021, Theorem 1). Needs
-    ``sigma_b > 1 / (2 sigma)``; ``sigma = 0`` (no privacy) gives 0.
+    ``2 sigma_b > sigma``, i.e. ``sigma_b > sigma / 2``; ``sigma = 0`` (no privacy) gives 0.
 
     Example:
         >>> round(adaptive_grad_noise_multiplier(1.0, 6.4), 6)
@@ -94,12 +96,12 @@ def adaptive_grad_noise_multiplier(noise_multiplier: float, count_noise_multipli
     sigma, sb = float(noise_multiplier), float(count_noise_multiplier)
     if sigma == 0.0:
         return 0.0
-    if not sb > 1.0 / (2.0 * sigma):
+    if not sb > sigma / 2.0:
         raise ValueError(
-            f"adaptive clipping: count_noise_multiplier must be > 1 / (2 * noise_multiplier) = "
-            f"{1.0 / (2.0 * sigma):.4g} (the noisy count alone would spend the whole privacy "
-            f"budget of noise_multiplier={sigma:g}), got {sb:g}; raise count_noise_multiplier "
-            "(the paper suggests expected batch size / 20) or noise_multiplier")
+            f"adaptive clipping: count_noise_multiplier must be > noise_multiplier / 2 = "
+            f"{sigma / 2.0:.4g} (the noisy count alone would spend the whole privacy budget of "
+            f"noise_multiplier={sigma:g}), got {sb:g}; raise count_noise_multiplier (the paper "
+            "suggests expected batch size / 20) or lower noise_multiplier")
     return (sigma**-2 - (2.0 * sb) ** -2) ** -0.5
 
 

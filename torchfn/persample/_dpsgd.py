@@ -632,17 +632,16 @@ def _check_adaptive(adaptive: AdaptiveClipping | None, clipping: str, sigma: flo
             f"clipping={clipping!r}. Per-layer thresholds would each need their own noisy count "
             "(and privacy budget), which is not implemented; use clipping='flat'")
     sb = adaptive.count_noise_multiplier
+    default = ""
     if sb is None:
-        sb = expected_batch_size / 20.0
+        sb, default = expected_batch_size / 20.0, " (the default, expected batch size / 20)"
         adaptive = AdaptiveClipping(adaptive.target_quantile, adaptive.learning_rate, sb)
-    if sigma > 0 and not sb > 1.0 / (2.0 * sigma):
-        default = " (the default, expected batch size / 20)" if (
-            adaptive.count_noise_multiplier == expected_batch_size / 20.0) else ""
+    if sigma > 0 and not sb > sigma / 2.0:  # sigma_grad^-2 = sigma^-2 - (2 sb)^-2 > 0
         raise ValueError(
-            f"{where}: count_noise_multiplier must be > 1 / (2 * noise_multiplier) = "
-            f"{1.0 / (2.0 * sigma):.4g}, got {sb:.4g}{default}: the noisy count would spend the "
-            f"whole privacy budget of noise_multiplier={sigma:g}. Raise count_noise_multiplier "
-            "or noise_multiplier")
+            f"{where}: count_noise_multiplier must be > noise_multiplier / 2 = "
+            f"{sigma / 2.0:.4g}, got {sb:.4g}{default}: the noisy count would spend the whole "
+            f"privacy budget of noise_multiplier={sigma:g}. Raise count_noise_multiplier (or the "
+            "expected batch size), or lower noise_multiplier")
     return adaptive
 
 
