@@ -23,7 +23,10 @@ is the sampled Gaussian mechanism that :class:`torchfn.persample.RDPAccountant` 
   flat (one ``C`` for the whole gradient) or per layer (``C_l`` per layer, so the total
   sensitivity is ``C = sqrt(sum_l C_l^2)`` and the noise std is ``sigma * C``). The clipped
   sum is book-keeping style: one weighted GEMM per linear/conv layer from the activations
-  and output gradients the single backward left behind.
+  and output gradients the single backward left behind. Automatic (normalised) clipping and
+  adaptive quantile clipping (the threshold ``C_t`` in ``state.clip_norm``, a noisy count of
+  unclipped examples paid for by a raised gradient noise) are in
+  :mod:`torchfn.persample._dp_clipping`.
 - **Noise**: ``sigma * C`` times standard normals from :mod:`torchfn.persample._dp_random`:
   one flat draw over all trainable parameters (in ``params`` order) under ``state.key``, the
   step's key, which the step then advances (``fold_in(key, "next")``). A pure function of
@@ -398,7 +401,8 @@ class DPTrainStep:
         dim 0; ``valid`` is ``(P,)``
         bool (False for padding). ``metrics`` (0-d tensors): ``loss`` (mean over valid
         examples), ``batch_size`` (valid count), ``clip_fraction``, ``grad_norm_mean``
-        (mean unclipped per-sample norm).
+        (mean unclipped per-sample norm); with adaptive clipping also ``max_grad_norm`` (the
+        ``C_t`` clipped to) and ``unclipped_fraction`` (the noisy ``b_t``).
         """
         return self._call_fn(state, batch, valid)
 
