@@ -7,8 +7,11 @@ steps stays within the target) with four ways to clip:
 - ``fixed C=1``: the threshold that example's sweep picked;
 - ``fixed C=0.1``: a threshold off by 10x, as one gets without a sweep;
 - ``adaptive``: quantile clipping (Andrew et al. 2021) started at the bad ``C_0 = 0.1``;
-  ``C_t`` tracks the median per-sample norm through a noisy count, and the gradient noise
-  multiplier is raised so that the accountant's epsilon is unchanged;
+  ``C_t`` tracks the median (or the 10% quantile) of the per-sample norms through a noisy
+  count, and the gradient noise multiplier is raised so that the accountant's epsilon is
+  unchanged. The update grows with ``C_t`` at a fixed learning rate: under heavy noise
+  (epsilon 1 here) the median feeds back on itself -- noisier steps, larger norms, larger
+  ``C_t`` -- and training diverges, while a low quantile holds; see ``docs/dp_clipping.md``;
 - ``automatic``: every per-sample gradient normalised to ``C / (||g|| + 0.01)`` (Bu et al.
   2022), ``C = 1``.
 
@@ -106,6 +109,7 @@ SETTINGS = {  # name: (max_grad_norm or C_0, make_dp_train_step keyword argument
     "fixed C=1": (1.0, {}),
     "fixed C=0.1": (0.1, {}),
     "adaptive (C_0=0.1, median)": (0.1, {"adaptive_clipping": AdaptiveClipping(0.5, 0.2)}),
+    "adaptive (C_0=0.1, q=0.1)": (0.1, {"adaptive_clipping": AdaptiveClipping(0.1, 0.2)}),
     "automatic C=1": (1.0, {"clipping": "automatic"}),
 }
 

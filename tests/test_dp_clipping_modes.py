@@ -158,6 +158,24 @@ def test_adaptive_threshold_and_noise_follow_the_formulas_by_hand() -> None:
     assert c != pytest.approx(c0, rel=0.01)  # the threshold did move
 
 
+def test_a_skipped_step_keeps_its_threshold() -> None:
+    ghost, params, buffers = norm_model()
+    opt = torchopt.sgd(0.1)
+    step = make_dp_train_step(ghost, linear_loss, opt, noise_multiplier=1.0, max_grad_norm=0.5,
+                              sample_rate=0.1, dataset_size=80,
+                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=1.0))
+    state = init_dp_state(params, buffers, opt, seed=0, max_grad_norm=0.5)
+    xs = torch.full((8, 1), 2.0, dtype=F64)
+    xs[3] = float("nan")  # a non-finite gradient: the step is skipped
+    new, metrics = step(state, (xs, torch.ones(8, dtype=F64)), torch.ones(8, dtype=torch.bool))
+    assert bool(metrics["skipped"]) and int(new.skipped) == 1
+    assert torch.equal(new.clip_norm, state.clip_norm)
+    assert torch.equal(new.params["weight"], state.params["weight"])
+    xs[3] = 2.0  # all norms 2 > C = 0.5: the threshold grows
+    new, metrics = step(new, (xs, torch.ones(8, dtype=F64)), torch.ones(8, dtype=torch.bool))
+    assert not bool(metrics["skipped"]) and float(new.clip_norm) > 0.5
+
+
 @pytest.mark.parametrize("target", [0.5, 0.9])
 def test_adaptive_threshold_tracks_the_target_quantile(target: float) -> None:
     # per-sample norms |x| with x ~ LogNormal(0, 0.5): the p-quantile is exp(0.5 * z_p)

@@ -19,7 +19,7 @@ def test_dp_clipping_example_smoke(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "dp_clipping_digits.json").read_text())
     rows = {r["setting"]: r for r in res["rows"]}
     assert list(rows) == ["fixed C=1", "fixed C=0.1", "adaptive (C_0=0.1, median)",
-                          "automatic C=1"]
+                          "adaptive (C_0=0.1, q=0.1)", "automatic C=1"]
     for r in rows.values():  # every setting spent the target epsilon, within 1%
         assert abs(r["epsilon"] - 3.0) < 0.03
         assert 0.0 <= r["test_accuracy"] <= 1.0

@@ -572,6 +572,13 @@ def make_dp_train_step(
         >>> state, metrics = step(state, (x, y), valid)
         >>> sorted(metrics)
         ['batch_size', 'clip_fraction', 'grad_norm_mean', 'loss', 'skipped']
+        >>> adaptive = make_dp_train_step(
+        ...     ghost, loss_fn, opt, noise_multiplier=1.1, max_grad_norm=1.0, sample_rate=0.01,
+        ...     dataset_size=6400, adaptive_clipping=AdaptiveClipping(target_quantile=0.5))
+        >>> state = init_dp_state(params, buffers, opt, seed=0, max_grad_norm=1.0)  # C_0
+        >>> state, metrics = adaptive(state, (x, y), valid)
+        >>> float(metrics["max_grad_norm"]), state.clip_norm.shape  # C_0, then C_1 (0-d)
+        (1.0, torch.Size([]))
     """
     where = "make_dp_train_step"
     check_optimizer(optimizer, where)
