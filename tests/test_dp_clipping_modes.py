@@ -320,6 +320,30 @@ def test_dp_state_saved_before_clip_norm_still_loads(tmp_path) -> None:
     assert float(load_checkpoint(path)[1]["dp"].clip_norm) == 0.4
 
 
+def test_adaptive_resume_from_a_checkpoint_is_exact(tmp_path) -> None:
+    ghost, params, buffers = norm_model()
+    opt = torchopt.sgd(0.1)
+    step = make_dp_train_step(ghost, linear_loss, opt, noise_multiplier=1.0, max_grad_norm=0.3,
+                              sample_rate=0.1, dataset_size=80,
+                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=1.0))
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.rand(8, 1, dtype=F64, generator=gen) for _ in range(4)]
+    ones, valid = torch.ones(8, dtype=F64), torch.ones(8, dtype=torch.bool)
+    straight = init_dp_state(params, buffers, opt, seed=2, max_grad_norm=0.3)
+    for t, xs in enumerate(batches):
+        straight, _ = step(straight, (xs, ones), valid)
+        if t == 1:
+            path = os.path.join(tmp_path, "mid.pt")
+            save_checkpoint(path, init_train_state({"w": torch.ones(1)}, {}, opt, seed=0),
+                            extra={"dp": straight})
+    resumed = load_checkpoint(path)[1]["dp"]
+    for xs in batches[2:]:
+        resumed, _ = step(resumed, (xs, ones), valid)
+    assert torch.equal(resumed.clip_norm, straight.clip_norm)
+    assert torch.equal(resumed.params["weight"], straight.params["weight"])
+    assert torch.equal(resumed.key, straight.key)
+
+
 def test_bad_settings_fail_clearly() -> None:
     ghost, params, buffers = make_ghost_model(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
     opt = torchopt.sgd(0.1)
