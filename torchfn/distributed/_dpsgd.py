@@ -124,7 +124,8 @@ class DistributedDPStep:
 
     def __getattr__(self, name: str) -> Any:
         if name in ("noise_multiplier", "sample_rate", "dataset_size", "expected_batch_size",
-                    "max_grad_norm", "layer_thresholds", "noise_std"):
+                    "max_grad_norm", "layer_thresholds", "noise_std", "clipping",
+                    "automatic_gamma", "adaptive_clipping", "grad_noise_multiplier"):
             return getattr(self.step_fn, name)
         raise AttributeError(name)
 

@@ -160,7 +160,12 @@ def _import_namedtuple(type_name: str, fields: list[str], where: str, path: str)
 def _check_fields(obj: Any, type_name: str, fields: list[str], where: str, path: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields")):
         raise CheckpointError(f"load_checkpoint({path!r}): {where}: {type_name} is no NamedTuple")
-    if list(obj._fields) != fields:
+    have = list(obj._fields)
+    # a checkpoint written before trailing fields with defaults were added (DPState.clip_norm)
+    # loads with those defaults
+    older = have[: len(fields)] == fields and all(f in obj._field_defaults
+                                                  for f in have[len(fields):])
+    if have != fields and not older:
         raise CheckpointError(
             f"load_checkpoint({path!r}): {where}: {type_name} now has fields "
             f"{list(obj._fields)}, the checkpoint has {fields}"

@@ -16,6 +16,10 @@ from torchfn.persample._accountant_prv import PRVEpsilon as PRVEpsilon
 from torchfn.persample._accountant_prv import prv_epsilon as prv_epsilon
 from torchfn.persample._attribution import grad_inner_products as grad_inner_products
 from torchfn.persample._attribution import tracin_scores as tracin_scores
+from torchfn.persample._dp_clipping import AdaptiveClipping as AdaptiveClipping
+from torchfn.persample._dp_clipping import (
+    adaptive_grad_noise_multiplier as adaptive_grad_noise_multiplier,
+)
 from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
 from torchfn.persample._dpsgd import ClippedSum as ClippedSum
 from torchfn.persample._dpsgd import DPState as DPState
@@ -51,6 +55,7 @@ from torchfn.persample._influence import self_influence as self_influence
 __all__ = [
     "DEFAULT_RDP_ORDERS",
     "EKFAC",
+    "AdaptiveClipping",
     "ClippedSum",
     "DPState",
     "DPTrainStep",
@@ -68,6 +73,7 @@ __all__ = [
     "PRVEpsilon",
     "PoissonSampler",
     "RDPAccountant",
+    "adaptive_grad_noise_multiplier",
     "check_ghost_coverage",
     "compute_rdp",
     "ekfac_inverse_hvp",

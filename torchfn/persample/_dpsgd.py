@@ -23,7 +23,10 @@ is the sampled Gaussian mechanism that :class:`torchfn.persample.RDPAccountant` 
   flat (one ``C`` for the whole gradient) or per layer (``C_l`` per layer, so the total
   sensitivity is ``C = sqrt(sum_l C_l^2)`` and the noise std is ``sigma * C``). The clipped
   sum is book-keeping style: one weighted GEMM per linear/conv layer from the activations
-  and output gradients the single backward left behind.
+  and output gradients the single backward left behind. Automatic (normalised) clipping and
+  adaptive quantile clipping (the threshold ``C_t`` in ``state.clip_norm``, a noisy count of
+  unclipped examples paid for by a raised gradient noise) are in
+  :mod:`torchfn.persample._dp_clipping`.
 - **Noise**: ``sigma * C`` times standard normals from :mod:`torchfn.persample._dp_random`:
   one flat draw over all trainable parameters (in ``params`` order) under ``state.key``, the
   step's key, which the step then advances (``fold_in(key, "next")``). A pure function of
@@ -56,6 +59,13 @@ from torchfn.functional import (
 from torchfn.persample._accountant import RDPAccountant
 from torchfn.persample._accountant_pld import PLDAccountant
 from torchfn.persample._accountant_prv import PRVAccountant
+from torchfn.persample._dp_clipping import (
+    AUTOMATIC_GAMMA,
+    AdaptiveClipping,
+    adaptive_grad_noise_multiplier,
+    clip_coefficients,
+    next_clip_norm,
+)
 from torchfn.persample._dp_random import fold_in, key_from_seed, normal
 from torchfn.persample._ghost_norms import GhostModel
 
@@ -74,6 +84,8 @@ Trainable = Callable[[str], bool] | Collection[str]
 
 _NOISE_SALT = 0x6E6F6973  # "nois"
 _NEXT_SALT = 0x6E657874  # "next"
+_COUNT_SALT = 0x636E7421  # "cnt!": the noise of adaptive clipping's unclipped count
+_CLIPPINGS = ("flat", "per_layer", "automatic", "automatic_per_layer")
 
 
 class DPState(NamedTuple):
@@ -84,7 +96,9 @@ class DPState(NamedTuple):
     taken) and ``key`` (int64 ``(2,)``, this step's noise key; each step replaces it by
     ``fold_in(key, "next")``), both on the parameters' device; ``loss_scale``
     (:class:`LossScaleState`, ``amp='fp16'``) and ``skipped`` (int64 0-d, steps skipped for a
-    non-finite loss or gradient), ``None`` in states built by hand.
+    non-finite loss or gradient), ``None`` in states built by hand; ``clip_norm`` (float64 0-d,
+    the current threshold ``C_t`` of adaptive clipping, ``init_dp_state(max_grad_norm=C_0)``;
+    ``None`` otherwise, and in states saved before the field existed).
     """
 
     params: TensorDict
@@ -94,6 +108,7 @@ class DPState(NamedTuple):
     key: Tensor
     loss_scale: LossScaleState | None = None
     skipped: Tensor | None = None
+    clip_norm: Tensor | None = None
 
 
 class ClippedSum(NamedTuple):
@@ -122,6 +137,7 @@ def _first(params: Mapping[str, Tensor]) -> Tensor:
 def init_dp_state(
     params: TensorDict, buffers: TensorDict, optimizer: GradientTransformation, *, seed: int,
     trainable: Trainable | None = None, loss_scale: float = 2.0**16,
+    max_grad_norm: float | None = None,
 ) -> DPState:
     """Return the initial :class:`DPState` (``step`` = 0) with a noise key from ``seed``.
 
@@ -129,7 +145,9 @@ def init_dp_state(
     like any DP randomness. Params/buffers are detached. The optimizer state covers the
     ``trainable`` params (a callable ``name -> bool`` or names; default all): pass
     ``ghost.trainable`` for a model with frozen params, so weight decay cannot reach them.
-    ``loss_scale`` is the initial fp16 loss scale.
+    ``loss_scale`` is the initial fp16 loss scale. ``max_grad_norm`` (needed by a step with
+    ``adaptive_clipping``: pass the same ``C_0`` as to :func:`make_dp_train_step`) becomes the
+    state's ``clip_norm``, the adaptive threshold (float64 0-d); ``None`` leaves it out.
 
     Example:
         >>> import torchopt
@@ -152,7 +170,17 @@ def init_dp_state(
             scale=torch.tensor(loss_scale, dtype=torch.float32, device=device),
             growth_tracker=torch.zeros((), dtype=torch.int64, device=device)),
         skipped=torch.zeros((), dtype=torch.int64, device=device),
+        clip_norm=None if max_grad_norm is None else torch.tensor(
+            _positive(max_grad_norm, "init_dp_state(max_grad_norm=...)"), dtype=torch.float64,
+            device=device),
     )
+
+
+def _positive(value: Any, what: str) -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not (ok and math.isfinite(value) and value > 0):
+        raise ValueError(f"{what}: expected a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _layer_thresholds(ghost: GhostModel, max_grad_norm: float | Mapping[str, float],
@@ -160,13 +188,14 @@ def _layer_thresholds(ghost: GhostModel, max_grad_norm: float | Mapping[str, flo
     """Return ``(per-layer thresholds or None, total sensitivity C)``."""
     where = "make_dp_train_step"
     layers = list(ghost.clip_groups)  # one threshold per clipping group (tied layers: one)
-    if clipping not in ("flat", "per_layer"):
-        raise ValueError(f"{where}(clipping=...): expected 'flat' or 'per_layer', got "
+    if clipping not in _CLIPPINGS:
+        raise ValueError(f"{where}(clipping=...): expected one of {_CLIPPINGS}, got "
                          f"{clipping!r}")
+    per_layer = clipping.endswith("per_layer")
     if isinstance(max_grad_norm, Mapping):
-        if clipping != "per_layer":
+        if not per_layer:
             raise ValueError(f"{where}: a dict of max_grad_norm per layer needs "
-                             "clipping='per_layer'")
+                             "clipping='per_layer' or 'automatic_per_layer'")
         missing = [n for n in layers if n not in max_grad_norm]
         extra = [n for n in max_grad_norm if n not in layers]
         if missing or extra:
@@ -178,12 +207,12 @@ def _layer_thresholds(ghost: GhostModel, max_grad_norm: float | Mapping[str, flo
     else:
         c = float(max_grad_norm)
         thresholds = ({n: c / math.sqrt(len(layers)) for n in layers}  # C_l = C / sqrt(L)
-                      if clipping == "per_layer" else {"": c})
+                      if per_layer else {"": c})
     if not all(math.isfinite(c) and c > 0 for c in thresholds.values()):
         raise ValueError(f"{where}(max_grad_norm=...): thresholds must be finite and > 0, got "
                          f"{max_grad_norm!r}")
     total = math.sqrt(sum(c * c for c in thresholds.values()))
-    return (thresholds if clipping == "per_layer" else None), total
+    return (thresholds if per_layer else None), total
 
 
 class DPTrainStep:
@@ -195,8 +224,13 @@ class DPTrainStep:
     steps an accountant) and :meth:`compile` (the same step with its three pure functions
     wrapped in ``torch.compile(fullgraph=True)``). Attributes: ``noise_multiplier``,
     ``sample_rate``, ``dataset_size``, ``expected_batch_size``, ``max_grad_norm`` (total
-    sensitivity ``C``), ``layer_thresholds`` (``{layer: C_l}`` or None), ``noise_std``
-    (``noise_multiplier * C``).
+    sensitivity ``C``; with adaptive clipping the initial ``C_0``), ``layer_thresholds``
+    (``{layer: C_l}`` or None), ``clipping``, ``automatic_gamma`` (``gamma`` of automatic
+    clipping, else None), ``adaptive_clipping`` (the :class:`AdaptiveClipping` with its
+    ``count_noise_multiplier`` filled in, or None), ``grad_noise_multiplier`` (the noise
+    multiplier of the gradient: ``noise_multiplier``, or the raised ``sigma_grad`` of adaptive
+    clipping) and ``noise_std`` (``grad_noise_multiplier * C``; adaptive: at ``C_0``, the step
+    uses ``grad_noise_multiplier * state.clip_norm``).
     """
 
     #: Inductor options every compiled form of this step needs (see :meth:`compile`);
@@ -206,14 +240,21 @@ class DPTrainStep:
     def __init__(self, ghost: GhostModel, loss_fn: LossFn, optimizer: GradientTransformation,
                  *, noise_multiplier: float, sample_rate: float, dataset_size: int,
                  thresholds: dict[str, float] | None, total: float,
-                 options: StepOptions | None = None) -> None:
+                 options: StepOptions | None = None, clipping: str = "flat",
+                 automatic_gamma: float | None = None,
+                 adaptive_clipping: AdaptiveClipping | None = None) -> None:
         self._ghost, self._loss_fn, self._optimizer = ghost, loss_fn, optimizer
         self._options = options if options is not None else StepOptions()
         self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
         self.dataset_size = dataset_size
         self.expected_batch_size = sample_rate * dataset_size
         self.layer_thresholds, self.max_grad_norm = thresholds, total
-        self.noise_std = noise_multiplier * total
+        self.clipping, self.automatic_gamma = clipping, automatic_gamma
+        self.adaptive_clipping = adaptive_clipping
+        self.grad_noise_multiplier = noise_multiplier if adaptive_clipping is None else (
+            adaptive_grad_noise_multiplier(noise_multiplier,
+                                           float(adaptive_clipping.count_noise_multiplier)))
+        self.noise_std = self.grad_noise_multiplier * total
         self._call_fn: Callable[..., Any] = self._step
         self._sum_fn: Callable[..., Any] = self._clipped_sum
         self._apply_fn: Callable[..., Any] = self._apply
@@ -258,8 +299,9 @@ class DPTrainStep:
                 norm = res.grads.sq_norms().clamp_min(0).sqrt().to(mask.dtype)
                 if inv is not None:
                     norm = norm * inv
-                coef = mask * torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-                clipped = (mask * (norm > self.max_grad_norm).to(mask.dtype)).sum()
+                c = self._clip_norm(state)  # a float, or adaptive clipping's 0-d C_t
+                coef = mask * clip_coefficients(norm, c, self.automatic_gamma)
+                clipped = (mask * (norm > c).to(mask.dtype)).sum()
                 grads = res.grads.weighted_sum(coef if inv is None else coef * inv)
             else:
                 per_layer = res.grads.sq_norms(per_layer=True)
@@ -270,7 +312,7 @@ class DPTrainStep:
                     if inv is not None:
                         sq = sq * inv * inv
                     n = sq.clamp_min(0).sqrt()
-                    coefs[name] = mask * torch.clamp(c / (n + 1e-6), max=1.0)
+                    coefs[name] = mask * clip_coefficients(n, c, self.automatic_gamma)
                     if inv is not None:
                         coefs[name] = coefs[name] * inv
                     clipped = clipped + (mask * (n > c).to(mask.dtype)).sum()
@@ -285,13 +327,16 @@ class DPTrainStep:
         names = self._options.trainable_names(state.params, frozen)
         noised = [k for k in total.grads if k in names]
         sizes = [total.grads[k].numel() for k in noised]
+        clip_norm = self._clip_norm(state)
+        noise_std = self.noise_std if self.adaptive_clipping is None else (
+            self.grad_noise_multiplier * clip_norm)  # sigma_grad * C_t (0-d)
         with _part("torchfn.noise"):
             flat = normal(state.key, (sum(sizes),), torch.float64).split(sizes)
             grads = {}
             for name, z in zip(noised, flat, strict=True):
                 g = total.grads[name].to(state.params[name].dtype)
                 noise = z.reshape(g.shape).to(g.dtype)
-                grads[name] = (g + self.noise_std * noise) / self.expected_batch_size
+                grads[name] = (g + noise_std * noise) / self.expected_batch_size
         denom = torch.clamp(total.count, min=1.0)
         loss = total.loss_sum / denom
         # the clipped sum is unscaled already (per sample, before clipping): no second unscale
@@ -307,7 +352,39 @@ class DPTrainStep:
             "grad_norm_mean": total.norm_sum / denom,
         }
         metrics.update({k: v for k, v in core.items() if k in ("skipped", "loss_scale", "lr")})
-        return _replace(new_state, key=fold_in(state.key, _NEXT_SALT)), metrics
+        changes: dict[str, Tensor] = {"key": fold_in(state.key, _NEXT_SALT)}
+        if self.adaptive_clipping is not None:
+            assert isinstance(clip_norm, Tensor)
+            changes["clip_norm"], metrics["unclipped_fraction"] = self._next_clip_norm(
+                state, total, clip_norm, core.get("skipped"))
+            metrics["max_grad_norm"] = clip_norm
+        return _replace(new_state, **changes), metrics
+
+    def _clip_norm(self, state: DPState) -> float | Tensor:
+        """Return this step's threshold: the fixed ``C``, or adaptive clipping's ``state.clip_norm``."""
+        if self.adaptive_clipping is None:
+            return self.max_grad_norm
+        if getattr(state, "clip_norm", None) is None:
+            raise ValueError(
+                "DP-SGD step with adaptive_clipping: the state has no clip_norm (the adaptive "
+                f"threshold C_t); build it with init_dp_state(..., max_grad_norm="
+                f"{self.max_grad_norm:g})")
+        return state.clip_norm
+
+    def _next_clip_norm(self, state: DPState, total: ClippedSum, clip_norm: Tensor,
+                        skipped: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Return ``(C_{t+1}, b_t)``: the geometric quantile update from the noisy count."""
+        adaptive = self.adaptive_clipping
+        assert adaptive is not None and adaptive.count_noise_multiplier is not None
+        # flat clipping: ``clipped`` counts the valid examples with norm > C_t
+        z = normal(fold_in(state.key, _COUNT_SALT), (1,), torch.float64)[0]
+        new, frac = next_clip_norm(clip_norm, total.count - total.clipped, total.count, z,
+                                   settings=adaptive,
+                                   count_noise=float(adaptive.count_noise_multiplier),
+                                   expected_batch_size=self.expected_batch_size)
+        if skipped is not None:  # a skipped (non-finite) step keeps its threshold too
+            new = torch.where(skipped, clip_norm, new)
+        return new, frac
 
     def _step(self, state: DPState, batch: tuple[Any, Any],
               valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
@@ -325,7 +402,8 @@ class DPTrainStep:
         dim 0; ``valid`` is ``(P,)``
         bool (False for padding). ``metrics`` (0-d tensors): ``loss`` (mean over valid
         examples), ``batch_size`` (valid count), ``clip_fraction``, ``grad_norm_mean``
-        (mean unclipped per-sample norm).
+        (mean unclipped per-sample norm); with adaptive clipping also ``max_grad_norm`` (the
+        ``C_t`` clipped to) and ``unclipped_fraction`` (the noisy ``b_t``).
         """
         return self._call_fn(state, batch, valid)
 
@@ -423,6 +501,8 @@ def make_dp_train_step(
     lr_schedule: float | Schedule | None = None,
     trainable: Trainable | None = None,
     skip_nonfinite: bool = True,
+    automatic_gamma: float | None = None,
+    adaptive_clipping: AdaptiveClipping | None = None,
 ) -> DPTrainStep:
     """Return a pure DP-SGD step (:class:`DPTrainStep`): ghost clipping, seeded noise, update.
 
@@ -437,6 +517,24 @@ def make_dp_train_step(
     as one group named after its first layer), or one float ``C`` split evenly as
     ``C / sqrt(L)`` over those ``L`` groups; the noise std is then
     ``noise_multiplier * sqrt(sum_l C_l^2)``, so the accountant sees the same sigma.
+
+    Other clipping rules (:mod:`torchfn.persample._dp_clipping`, ``docs/dp_clipping.md``):
+
+    - ``clipping="automatic"`` / ``"automatic_per_layer"`` (Bu et al. 2022): each example's
+      gradient (or layer part) is scaled by ``C / (||g_i|| + gamma)`` instead of
+      ``min(1, C / ||g_i||)``: normalised, so the sensitivity is still ``C`` (``C_l``) and the
+      noise unchanged; ``automatic_gamma`` is ``gamma`` (default 0.01, > 0; only with these
+      modes). ``C`` then just scales the update like a learning rate.
+    - ``adaptive_clipping=AdaptiveClipping(target_quantile, learning_rate,
+      count_noise_multiplier)`` (Andrew et al. 2021; flat fixed clipping only): the threshold
+      ``C_t`` lives in the state (``state.clip_norm``, started at ``max_grad_norm`` by
+      ``init_dp_state(..., max_grad_norm=C_0)``) and follows the ``target_quantile`` of the
+      per-sample norms through a noisy count of unclipped examples; the gradient noise
+      multiplier is raised to ``sigma_grad`` (:func:`adaptive_grad_noise_multiplier`) so that
+      gradient and count together cost ``noise_multiplier`` -- the sigma the accountant is
+      stepped with. Adds ``metrics["max_grad_norm"]`` (the ``C_t`` this step clipped to) and
+      ``metrics["unclipped_fraction"]`` (the noisy ``b_t``). ``C_t`` is a 0-d tensor, so the
+      compiled step does not recompile as it moves.
 
     The shared step features (:class:`StepOptions`, applied by :func:`apply_gradients`):
     frozen params (``ghost.frozen``, and an optional ``trainable`` filter) get no noise and no
@@ -475,6 +573,13 @@ def make_dp_train_step(
         >>> state, metrics = step(state, (x, y), valid)
         >>> sorted(metrics)
         ['batch_size', 'clip_fraction', 'grad_norm_mean', 'loss', 'skipped']
+        >>> adaptive = make_dp_train_step(
+        ...     ghost, loss_fn, opt, noise_multiplier=1.1, max_grad_norm=1.0, sample_rate=0.01,
+        ...     dataset_size=6400, adaptive_clipping=AdaptiveClipping(target_quantile=0.5))
+        >>> state = init_dp_state(params, buffers, opt, seed=0, max_grad_norm=1.0)  # C_0
+        >>> state, metrics = adaptive(state, (x, y), valid)
+        >>> float(metrics["max_grad_norm"]), state.clip_norm.shape  # C_0, then C_1 (0-d)
+        (1.0, torch.Size([]))
     """
     where = "make_dp_train_step"
     check_optimizer(optimizer, where)
@@ -495,9 +600,61 @@ def make_dp_train_step(
         raise ValueError(f"{where}(dataset_size=...): expected an int >= 1, got "
                          f"{dataset_size!r}")
     thresholds, total = _layer_thresholds(ghost, max_grad_norm, clipping)
+    gamma = _check_gamma(automatic_gamma, clipping)
+    adaptive = _check_adaptive(adaptive_clipping, clipping, sigma, q * dataset_size)
     return DPTrainStep(ghost, loss_fn, optimizer, noise_multiplier=sigma, sample_rate=q,
                        dataset_size=dataset_size, thresholds=thresholds, total=total,
-                       options=options)
+                       options=options, clipping=clipping, automatic_gamma=gamma,
+                       adaptive_clipping=adaptive)
+
+
+def _check_gamma(automatic_gamma: float | None, clipping: str) -> float | None:
+    """Return ``gamma`` for automatic clipping (default 0.01), None for fixed clipping."""
+    where = "make_dp_train_step"
+    if not clipping.startswith("automatic"):
+        if automatic_gamma is not None:
+            raise ValueError(f"{where}(automatic_gamma=...): gamma is the stability constant of "
+                             f"automatic clipping; it needs clipping='automatic' or "
+                             f"'automatic_per_layer', got clipping={clipping!r}")
+        return None
+    if automatic_gamma is None:
+        return AUTOMATIC_GAMMA
+    return _positive(automatic_gamma, f"{where}(automatic_gamma=...)")
+
+
+def _check_adaptive(adaptive: AdaptiveClipping | None, clipping: str, sigma: float,
+                    expected_batch_size: float) -> AdaptiveClipping | None:
+    """Return ``adaptive`` with its count noise filled in (expected batch / 20), checked."""
+    where = "make_dp_train_step(adaptive_clipping=...)"
+    if adaptive is None:
+        return None
+    if not isinstance(adaptive, AdaptiveClipping):
+        raise TypeError(f"{where}: expected an AdaptiveClipping(target_quantile=..., "
+                        f"learning_rate=..., count_noise_multiplier=...), got "
+                        f"{type(adaptive).__name__}")
+    if clipping.startswith("automatic"):
+        raise ValueError(
+            f"{where}: adaptive quantile clipping needs clipping='flat', got {clipping!r}. "
+            "Automatic clipping scales every example by C / (||g|| + gamma), so C is only a "
+            "learning-rate factor and there is no clipped fraction to steer; use a fixed "
+            "max_grad_norm with automatic clipping")
+    if clipping != "flat":
+        raise ValueError(
+            f"{where}: adaptive quantile clipping adapts one flat threshold, got "
+            f"clipping={clipping!r}. Per-layer thresholds would each need their own noisy count "
+            "(and privacy budget), which is not implemented; use clipping='flat'")
+    sb = adaptive.count_noise_multiplier
+    default = ""
+    if sb is None:
+        sb, default = expected_batch_size / 20.0, " (the default, expected batch size / 20)"
+        adaptive = AdaptiveClipping(adaptive.target_quantile, adaptive.learning_rate, sb)
+    if sigma > 0 and not sb > sigma / 2.0:  # sigma_grad^-2 = sigma^-2 - (2 sb)^-2 > 0
+        raise ValueError(
+            f"{where}: count_noise_multiplier must be > noise_multiplier / 2 = "
+            f"{sigma / 2.0:.4g}, got {sb:.4g}{default}: the noisy count would spend the whole "
+            f"privacy budget of noise_multiplier={sigma:g}. Raise count_noise_multiplier (or the "
+            "expected batch size), or lower noise_multiplier")
+    return adaptive
 
 
 def run_chunks(one_step: Callable[..., tuple[DPState, dict[str, Tensor]]],

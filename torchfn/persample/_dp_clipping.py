@@ -1,0 +1,123 @@
+"""Clipping rules of the DP-SGD step: fixed, automatic (normalised) and adaptive (quantile).
+
+Per-sample coefficients ``coef_i`` (the clipped sum is ``sum_i coef_i g_i``):
+
+- **fixed** (Abadi et al. 2016): ``min(1, C / (||g_i|| + 1e-6))``; ``||coef_i g_i|| <= C``.
+- **automatic** (Bu, Wang, Zha, Karypis 2022, "Automatic clipping: differentially private deep
+  learning made easier and stronger"): ``C / (||g_i|| + gamma)``; every example is
+  normalised, ``||coef_i g_i|| = C ||g_i|| / (||g_i|| + gamma) < C``, so the sensitivity is
+  still ``C`` and the noise ``sigma C`` is unchanged. ``C`` then only scales the update (it
+  folds into the learning rate), which removes the clipping threshold from the tuning.
+  ``gamma > 0`` keeps small gradients from being blown up to norm ``C`` (and a zero
+  gradient from dividing by zero).
+- **adaptive** (Andrew, Thakkar, McMahan, Ramaswamy 2021, "Differentially private learning
+  with adaptive clipping"): the fixed rule with a threshold ``C_t`` carried in the state and
+  moved each step towards the ``target_quantile`` of the per-sample norms::
+
+      b_t     = (sum_{i in B_t} (1[||g_i|| <= C_t] - 1/2) + N(0, sigma_b^2)) / (q N) + 1/2
+      C_{t+1} = C_t * exp(-eta_C * (b_t - target_quantile))
+
+  The count is centred (``1[.] - 1/2``, as in the paper's proof): under add/remove-one
+  adjacency with Poisson sampling the batch size is private, and the centred sum changes by
+  at most ``1/2``, so releasing it with noise ``sigma_b`` and the clipped gradient sum with
+  noise ``sigma_grad C_t`` is one Gaussian mechanism of noise multiplier ``sigma`` when
+  ``sigma_grad^-2 + (2 sigma_b)^-2 = sigma^-2`` (the paper's Theorem 1). The accountant sees
+  ``sigma``; the gradient noise is raised to ``sigma_grad`` to pay for the count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AdaptiveClipping", "adaptive_grad_noise_multiplier"]
+
+Tensor = torch.Tensor
+
+#: Default stability constant ``gamma`` of automatic clipping (Bu et al. use 0.01).
+AUTOMATIC_GAMMA = 0.01
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """Settings of adaptive quantile clipping (Andrew et al. 2021) for :func:`make_dp_train_step`.
+
+    ``target_quantile`` (in ``(0, 1)``): the fraction of examples whose gradient norm should
+    stay unclipped (0.5: ``C_t`` tracks the median norm). ``learning_rate`` (``eta_C > 0``): the
+    step of the geometric update ``C_{t+1} = C_t exp(-eta_C (b_t - target_quantile))``.
+    ``count_noise_multiplier`` (``sigma_b``, the std of the noise on the count of unclipped
+    examples, in examples): ``None`` takes the paper's suggestion, expected batch size / 20
+    (noise std 0.05 on the fraction). It must exceed ``noise_multiplier / 2`` (the centred
+    count has sensitivity 1/2, so alone it would cost noise multiplier ``2 sigma_b``, which
+    must leave budget for the gradient); the gradient noise multiplier is then
+    :func:`adaptive_grad_noise_multiplier`.
+
+    Example:
+        >>> AdaptiveClipping(target_quantile=0.7).learning_rate
+        0.2
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_noise_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        where = "AdaptiveClipping"
+        tq = self.target_quantile
+        if isinstance(tq, bool) or not isinstance(tq, (int, float)) or not 0.0 < tq < 1.0:
+            raise ValueError(f"{where}(target_quantile=...): expected a fraction in (0, 1), got "
+                             f"{tq!r} (0 or 1 would shrink or grow the threshold forever)")
+        lr = self.learning_rate
+        if (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
+                or lr <= 0):
+            raise ValueError(f"{where}(learning_rate=...): expected a finite number > 0, got "
+                             f"{lr!r}")
+        sb = self.count_noise_multiplier
+        if sb is not None and (isinstance(sb, bool) or not isinstance(sb, (int, float))
+                               or not math.isfinite(sb) or sb < 0):
+            raise ValueError(f"{where}(count_noise_multiplier=...): expected None or a finite "
+                             f"number >= 0, got {sb!r}")
+
+
+def adaptive_grad_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
+    """Return ``sigma_grad = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)``, the gradient noise multiplier.
+
+    With this gradient noise and ``count_noise_multiplier = sigma_b`` on the centred count of
+    unclipped examples, adaptive clipping costs exactly as much privacy as plain DP-SGD with
+    ``noise_multiplier = sigma`` (Andrew et al. 2021, Theorem 1). Needs
+    ``2 sigma_b > sigma``, i.e. ``sigma_b > sigma / 2``; ``sigma = 0`` (no privacy) gives 0.
+
+    Example:
+        >>> round(adaptive_grad_noise_multiplier(1.0, 6.4), 6)
+        1.003066
+    """
+    sigma, sb = float(noise_multiplier), float(count_noise_multiplier)
+    if sigma == 0.0:
+        return 0.0
+    if not sb > sigma / 2.0:
+        raise ValueError(
+            f"adaptive clipping: count_noise_multiplier must be > noise_multiplier / 2 = "
+            f"{sigma / 2.0:.4g} (the noisy count alone would spend the whole privacy budget of "
+            f"noise_multiplier={sigma:g}), got {sb:g}; raise count_noise_multiplier (the paper "
+            "suggests expected batch size / 20) or lower noise_multiplier")
+    return (sigma**-2 - (2.0 * sb) ** -2) ** -0.5
+
+
+def clip_coefficients(norm: Tensor, c: float | Tensor, gamma: float | None) -> Tensor:
+    """Return the ``(B,)`` per-sample coefficients: fixed (``gamma`` None) or automatic."""
+    if gamma is None:
+        return torch.clamp(c / (norm + 1e-6), max=1.0)
+    return c / (norm + gamma)
+
+
+def next_clip_norm(clip_norm: Tensor, unclipped: Tensor, count: Tensor, z: Tensor, *,
+                   settings: AdaptiveClipping, count_noise: float,
+                   expected_batch_size: float) -> tuple[Tensor, Tensor]:
+    """Return ``(C_{t+1}, b_t)`` (0-d, ``clip_norm``'s dtype) from the counts and a normal ``z``."""
+    dtype = clip_norm.dtype
+    centred = unclipped.to(dtype) - 0.5 * count.to(dtype)
+    frac = (centred + count_noise * z.to(dtype)) / expected_batch_size + 0.5
+    new = clip_norm * torch.exp(-settings.learning_rate * (frac - settings.target_quantile))
+    return new, frac
