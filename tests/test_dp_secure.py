@@ -196,3 +196,21 @@ def test_cuda_chacha20_and_secure_normal_equal_the_cpu() -> None:
     compiled = torch.compile(secure_normal, fullgraph=True)
     z = compiled(key.cuda(), 4099, torch.tensor(5, device="cuda"))
     torch.testing.assert_close(z.cpu(), secure_normal(key, 4099, 5), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_secure_step_compiled_equals_eager_and_the_cpu_noise() -> None:
+    *_, opt, _, batch, valid = _setup()
+    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(F64).cuda()
+    ghost, params, buffers = make_ghost_model(net)
+    step = make_dp_train_step(ghost, xent, opt, noise_multiplier=1.3, max_grad_norm=0.7,
+                              sample_rate=0.25, dataset_size=40, secure_noise=True)
+    state = init_dp_state(params, buffers, opt, secure_noise=True)
+    batch = tuple(t.cuda() for t in batch)
+    eager, _ = step(state, batch, valid.cuda())
+    compiled, _ = step.compile()(state, batch, valid.cuda())
+    for k in params:
+        torch.testing.assert_close(compiled.params[k], eager.params[k], rtol=1e-12, atol=1e-13)
+    assert torch.equal(compiled.key, eager.key)
+    assert torch.equal(eager.key.cpu(), next_secure_key(state.key.cpu(), 0))
