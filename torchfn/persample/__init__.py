@@ -13,6 +13,7 @@ from torchfn.persample._accountant_pld import pld_epsilon as pld_epsilon
 from torchfn.persample._attribution import grad_inner_products as grad_inner_products
 from torchfn.persample._attribution import tracin_scores as tracin_scores
 from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
+from torchfn.persample._dp_secure import secure_key as secure_key
 from torchfn.persample._dpsgd import ClippedSum as ClippedSum
 from torchfn.persample._dpsgd import DPState as DPState
 from torchfn.persample._dpsgd import DPTrainStep as DPTrainStep
@@ -65,6 +66,7 @@ __all__ = [
     "pld_epsilon",
     "rdp_to_epsilon",
     "run_chunks",
+    "secure_key",
     "tracin_scores",
     "two_batch_estimates",
     "update_noise_scale",

@@ -21,6 +21,11 @@ draws it from this module instead (like Opacus' ``secure_mode``):
   of it hold a secret** -- whoever reads ``state.key`` at step ``t`` can regenerate the noise
   of steps ``t, t + 1, ...`` and strip it from the later updates. Publish parameters, never
   the state; store checkpoints like private data.
+  Fresh OS entropy for every step instead is one line in the host loop,
+  ``state = state._replace(key=secure_key(device))`` before each step (the public
+  :func:`torchfn.persample.secure_key`): then a leaked state reveals no future noise either,
+  but the noise is no longer a function of the state, so a resumed run does not repeat it
+  (and every rank of a distributed run needs the new key broadcast).
 - **Forward secrecy.** Each step replaces the key by a ChaCha20 block of itself
   (:func:`next_secure_key`, nonce domain 1), a one-way ratchet: the key of step ``t`` does
   not reveal the keys (so the noise) of steps before ``t``. The noise of step ``t`` uses
