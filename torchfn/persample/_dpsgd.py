@@ -548,8 +548,9 @@ def make_dp_train_step(
     added to the gradient in float64 (Holohan and Braghin's mitigation of Mironov's
     floating-point attack, not a proof against it); the key lives in ``state.key`` and is
     ratcheted forward every step, so the state is a secret, resuming is exact and compiled
-    equals eager. It costs 8 ChaCha20 words per parameter and step, on the CPU several times
-    the time of the default noise (``benchmarks/secure_noise.py``); the Poisson sampling is
+    equals eager. It costs 8 ChaCha20 words per parameter and step: on one CPU thread about
+    1 us per parameter, tens of times the default noise (``benchmarks/secure_noise.py``),
+    and a longer first compile; the Poisson sampling is
     not covered (keep the sampler's seed secret). The full account of what is and is not
     protected is in ``torchfn.persample._dp_secure``.
 
