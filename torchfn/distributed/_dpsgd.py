@@ -107,7 +107,9 @@ class DistributedDPStep:
       with ``fullgraph=True``.
 
     Every rank must start from the same :func:`torchfn.functional.init_dp_state` (same seed),
-    so the noise keys agree. Attributes of ``step`` (``noise_std``, ``sample_rate``, ...)
+    so the noise keys agree; with ``secure_noise=True`` (a key from the OS, no seed) build
+    the state on every rank and broadcast the key: ``torch.distributed.broadcast(state.key,
+    src=0)``. Attributes of ``step`` (``noise_std``, ``sample_rate``, ...)
     are forwarded.
     """
 
@@ -171,18 +173,18 @@ class DistributedDPStep:
     def run(self, state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
             get_batch: Callable[[Tensor], tuple[Any, Any]],
             accountant: RDPAccountant | PLDAccountant | None = None,
-            ) -> tuple[DPState, dict[str, Tensor]]:
+            ) -> tuple[DPState, dict[str, Any]]:
         """Take one logical step on this rank's ``chunks`` (:func:`shard_poisson_sample`).
 
         ``get_batch(indices)`` returns ``(inputs, targets)`` for global dataset indices.
         ``accountant`` (every rank may keep one; they agree) is stepped once with the GLOBAL
-        ``noise_multiplier`` and ``sample_rate``.
+        ``noise_multiplier`` and ``sample_rate``; with ``make_dp_train_step(..., delta=...)``
+        ``metrics["epsilon"]`` reports its epsilon (:meth:`DPTrainStep.account`).
         """
         if not chunks:
             raise ValueError("DistributedDPStep.run: chunks is empty; pass "
                              "shard_poisson_sample(sampler, step, rank=..., world_size=...)")
         state, metrics = run_chunks(self, self._sum, self.apply, state, chunks, get_batch)
         if accountant is not None:
-            accountant.step(noise_multiplier=self.step_fn.noise_multiplier,
-                            sample_rate=self.step_fn.sample_rate)
+            metrics = {**metrics, **self.step_fn.account(accountant)}
         return state, metrics

@@ -21,6 +21,7 @@ from torchfn.persample._dp_clipping import (
     adaptive_grad_noise_multiplier as adaptive_grad_noise_multiplier,
 )
 from torchfn.persample._dp_sampling import PoissonSampler as PoissonSampler
+from torchfn.persample._dp_secure import secure_key as secure_key
 from torchfn.persample._dpsgd import ClippedSum as ClippedSum
 from torchfn.persample._dpsgd import DPState as DPState
 from torchfn.persample._dpsgd import DPTrainStep as DPTrainStep
@@ -93,6 +94,7 @@ __all__ = [
     "prv_epsilon",
     "rdp_to_epsilon",
     "run_chunks",
+    "secure_key",
     "self_influence",
     "tracin_scores",
     "two_batch_estimates",
