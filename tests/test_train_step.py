@@ -406,3 +406,40 @@ def test_errors():
         accum(state, (x, y))
     with pytest.raises(ValueError, match=r"share the batch size .* got sizes \[9, 10\]"):
         accum(state, (x, y[:9]))
+
+
+def _apply_case(compiled: bool):
+    from torchfn.functional import StepOptions, apply_gradients, init_train_state
+
+    opt = torchopt.sgd(0.5)
+    params = {"a": torch.zeros(3), "b": torch.zeros(2, 2)}
+    state = init_train_state(params, {}, opt, seed=0)
+    fn = lambda g, s, o: apply_gradients(opt, g, s, options=o, loss=torch.tensor(1.0))  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    return fn, state
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_apply_gradients_norm_guard_and_clip_match_a_per_leaf_reference(compiled):
+    """The one-model fast path (multi-tensor norms in eager mode, float64 accumulation) gives
+    the per-leaf reference's grad norm, clipping and skip decisions; a float32 gradient whose
+    squared norm overflows float32 is finite, never skipped."""
+    from torchfn.functional import StepOptions
+
+    fn, state = _apply_case(compiled)
+    g = {"a": torch.tensor([3.0, 0.0, 4.0]), "b": torch.tensor([[12.0, 0.0], [0.0, 0.0]])}
+    new, m = fn(g, state, StepOptions(max_grad_norm=1.3))
+    assert float(m["grad_norm"]) == pytest.approx(13.0, rel=1e-6) and not bool(m["skipped"])
+    for k in g:
+        torch.testing.assert_close(new.params[k], -0.5 * g[k] * (1.3 / (13.0 + 1e-6)))
+    big = {"a": torch.tensor([3e30, 0.0, 4e30]), "b": torch.zeros(2, 2)}
+    assert not torch.isfinite((big["a"] ** 2).sum())  # float32 squares overflow
+    new, m = fn(big, state, StepOptions(max_grad_norm=1.0))
+    assert not bool(m["skipped"]) and float(m["grad_norm"]) == pytest.approx(5e30, rel=1e-6)
+    torch.testing.assert_close(new.params["a"], torch.tensor([-0.3, 0.0, -0.4]))
+    for bad in (float("inf"), float("nan")):
+        g_bad = {"a": torch.tensor([1.0, bad, 0.0]), "b": torch.ones(2, 2)}
+        new, m = fn(g_bad, state, StepOptions(max_grad_norm=1.0))
+        assert bool(m["skipped"]) and int(new.skipped) == 1
+        assert all(torch.equal(new.params[k], state.params[k]) for k in g)

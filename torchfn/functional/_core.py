@@ -389,19 +389,51 @@ def _keep_if(ok: Tensor, new: Any, old: Any) -> Any:
     return optree.tree_map(one, new, old, none_is_leaf=False)
 
 
+def _norm_dtype(leaves: list[Tensor]) -> torch.dtype:
+    dtype = torch.float32
+    for leaf in leaves:
+        dtype = torch.promote_types(dtype, leaf.dtype)
+    return dtype
+
+
 def _norm(leaves: list[Tensor], per_member: bool) -> Tensor:
     """Global L2 norm of ``leaves`` (``(N,)`` per member with ``per_member``)."""
     if not leaves:
         return torch.zeros(())
-    dtype = torch.float32
-    for leaf in leaves:
-        dtype = torch.promote_types(dtype, leaf.dtype)
+    dtype = _norm_dtype(leaves)
     if per_member:
         n = leaves[0].shape[0]
         norms = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).to(dtype) for g in leaves]
         return torch.linalg.vector_norm(torch.stack(norms), dim=0)
     norms = [torch.linalg.vector_norm(g).to(dtype) for g in leaves]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _eager_multi_tensor(leaves: list[Tensor]) -> bool:
+    """Whether the multi-tensor (``torch._foreach_*``) kernels may replace a per-leaf loop: in
+    eager mode only (a compiled step fuses the loop itself), outside every ``torch.func``
+    transform (the foreach ops have no batching rules), on one device."""
+    if not leaves or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    device = leaves[0].device
+    return all(t.device == device for t in leaves)
+
+
+def _norm_and_finite(leaves: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Return ``(global L2 norm, all elements finite)`` of ``leaves`` (one model, no member
+    axis) from per-leaf norms accumulated in float64: a leaf's float64 norm is finite exactly
+    when all its elements are (no float32, bf16 or fp16 value can overflow it; a float64 leaf
+    whose norm overflows float64, above about 1e154 per element, counts as non-finite). In
+    eager mode the per-leaf norms are one multi-tensor kernel (``torch._foreach_norm``)."""
+    dtype = _norm_dtype(leaves)
+    if _eager_multi_tensor(leaves):
+        norms = torch._foreach_norm(leaves, 2, dtype=torch.float64)
+    else:
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in leaves]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    return total.to(dtype), torch.isfinite(total)
 
 
 def _finite(leaves: list[Tensor], per_member: bool) -> Tensor:
@@ -414,6 +446,12 @@ def _finite(leaves: list[Tensor], per_member: bool) -> Tensor:
 
 
 def _scale_tree(tree: TensorDict, factor: Tensor, per_member: bool) -> TensorDict:
+    leaves = list(tree.values())
+    if (not per_member and factor.ndim == 0 and _eager_multi_tensor(leaves)
+            and factor.device == leaves[0].device
+            and all(t.dtype == leaves[0].dtype for t in leaves)):
+        return dict(zip(tree, torch._foreach_mul(leaves, factor.to(leaves[0].dtype)),
+                        strict=True))
     return {k: t * (_member_view(factor, t) if per_member else factor).to(t.dtype)
             for k, t in tree.items()}
 
@@ -482,22 +520,32 @@ def apply_gradients(
 
     leaves = list(g.values())
     finite: Tensor | None = None
-    if opts.guard and leaves:
-        with _part("torchfn.nonfinite_guard"):
-            finite = _finite(leaves, per_member)
-            if loss is not None:
-                finite = finite & torch.isfinite(loss.detach())
+    if per_member or not leaves:
+        if opts.guard and leaves:
+            with _part("torchfn.nonfinite_guard"):
+                finite = _finite(leaves, per_member)
+        with _part("torchfn.clip"):
+            grad_norm = _norm(leaves, per_member)
+            if finite is not None:  # one member's non-finite grads must not reach the others
+                g = {k: torch.where(_member_view(finite, t), t, torch.zeros_like(t))
+                     for k, t in g.items()}
+    else:
+        # one model: the norm says whether every element is finite; a non-finite step is
+        # discarded whole below (params, buffers and optimizer state kept), so its grads need
+        # no zeroing first
+        with _part("torchfn.clip"):
+            grad_norm, all_finite = _norm_and_finite(leaves)
+        if opts.guard:
+            finite = all_finite
+    if finite is not None and loss is not None:
+        finite = finite & torch.isfinite(loss.detach())
     with _part("torchfn.clip"):
-        grad_norm = _norm(leaves, per_member)
-        if finite is not None:
-            g = {k: torch.where(_member_view(finite, t), t, torch.zeros_like(t))
-                 for k, t in g.items()}
         if opts.clip_value is not None:
             v = float(opts.clip_value)
             g = {k: t.clamp(-v, v) for k, t in g.items()}
         if opts.max_grad_norm is not None and leaves:
-            if finite is None and opts.clip_value is None:
-                norm = grad_norm
+            if opts.clip_value is None and (finite is None or not per_member):
+                norm = grad_norm  # nothing changed the grads since it was taken
             else:
                 norm = _norm(list(g.values()), per_member)
             coef = torch.clamp(opts.max_grad_norm / (norm + 1e-6), max=1.0)
