@@ -361,7 +361,11 @@ class DPTrainStep:
             if self.secure_noise:  # ChaCha20; g + noise in float64, rounded once
                 flat = secure_normal(state.key, sum(sizes), state.step).split(sizes)
             else:
-                flat = normal(state.key, (sum(sizes),), torch.float64).split(sizes)
+                flat_z = normal(state.key, (sum(sizes),), torch.float64)
+                dtypes = {state.params[k].dtype for k in noised}
+                if len(dtypes) == 1:  # one cast of the whole draw (same values as per leaf)
+                    flat_z = flat_z.to(dtypes.pop())
+                flat = flat_z.split(sizes)
             grads = {}
             for name, z in zip(noised, flat, strict=True):
                 g = total.grads[name].to(state.params[name].dtype)
