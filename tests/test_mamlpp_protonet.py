@@ -210,7 +210,7 @@ def test_per_step_bn_equals_loop_with_per_step_rows():
         fast = {"w1": p["w1"], "w2": p["w2"]}
         rm, rv = [bufs["rm"][i] for i in range(STEPS)], [bufs["rv"][i] for i in range(STEPS)]
 
-        def fwd(f, i, x):
+        def fwd(f, i, x, rm=rm, rv=rv):
             out, nb = _bn_fn({**f, "g": p["g"][i], "beta": p["beta"][i]},
                              {"rm": rm[i], "rv": rv[i]}, x)
             rm[i], rv[i] = nb["rm"], nb["rv"]
