@@ -510,7 +510,11 @@ def maml_plus_plus(
     computes exactly what :func:`torchfn.meta.maml` computes (the same inner loop,
     ``torchopt.sgd(inner_lr)``). Build the state with ``learner.init(params)`` (done by
     :func:`torchfn.meta.init_meta_state`) and ``learner.init_buffers(buffers)`` (pass it to
-    ``init_meta_state``); train with :func:`torchfn.meta.make_meta_train_step`.
+    ``init_meta_state``); train with :func:`torchfn.meta.make_meta_train_step`. The counter
+    counts applied outer steps: a step skipped for a non-finite loss (``skip_nonfinite``)
+    keeps the old buffers, so it does not advance the schedules; with ``grad_accum_steps``
+    every micro-batch reads the same counter. The inner step is plain SGD (no ``inner_opt``),
+    and ``chunk_size``/``remat`` are not offered here.
 
     Args:
         model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
