@@ -170,9 +170,7 @@ def run(args: argparse.Namespace, k_shot: int, x_tr: Tensor, y_tr: Tensor, x_te:
     for name, (learner, params, buffers) in learners(args).items():
         t0 = time.perf_counter()
         opt = adam(args.outer_lr)
-        if hasattr(learner, "init_buffers"):  # MAML++: per-step stacks and the step counter
-            buffers = learner.init_buffers(buffers, params)
-        state = init_meta_state(learner, params, buffers, opt)
+        state = init_meta_state(learner, params, buffers, opt)  # MAML++: + init_buffers
         acc0, ci0 = accuracy(learner, state.params, state.buffers, test)
         step = make_meta_train_step(learner, opt)
         sampler = EpisodicBatchSampler(y_tr, N_WAY, k_shot, N_QUERY,

@@ -72,7 +72,7 @@ def test_all_pieces_off_equals_maml_bitwise():
     # and through the outer step
     opt = adam(1e-2)
     s_ref = init_meta_state(ref, params, buffers, opt)
-    s = init_meta_state(pp, params, pp.init_buffers(buffers), opt)
+    s = init_meta_state(pp, params, buffers, opt)
     s_ref, m_ref = make_meta_train_step(ref, opt)(s_ref, tasks)
     s, m = make_meta_train_step(pp, opt)(s, tasks)
     assert torch.equal(m["loss"], m_ref["loss"])
@@ -241,7 +241,7 @@ def test_per_step_bn_with_make_functional_and_batchnorm_names():
     learner = maml_plus_plus(model_fn, F.mse_loss, inner_lr=LR, inner_steps=STEPS,
                              msl_anneal_steps=4, per_step_bn=names)
     opt = adam(1e-2)
-    state = init_meta_state(learner, params, learner.init_buffers(buffers, params), opt)
+    state = init_meta_state(learner, params, buffers, opt)
     state, _ = make_meta_train_step(learner, opt)(state, _tasks())
     assert state.params["1.weight"].shape == (STEPS, 6)
     # each step's forward counts once per row: 1 support forward, and the query on the last row
@@ -259,7 +259,7 @@ def test_compiled_step_equals_eager_without_recompiles():
     learner = maml_plus_plus(_mlp_fn, F.mse_loss, inner_lr=LR, inner_steps=2,
                              msl_anneal_steps=3, first_order_until=2)
     opt = adam(1e-2)
-    state = init_meta_state(learner, _params(), learner.init_buffers({}), opt)
+    state = init_meta_state(learner, _params(), {}, opt)
     step = make_meta_train_step(learner, opt)
     calls = []
 

@@ -409,7 +409,7 @@ def test_errors():
 
 
 def _apply_case(compiled: bool):
-    from torchfn.functional import StepOptions, apply_gradients, init_train_state
+    from torchfn.functional import apply_gradients, init_train_state
 
     opt = torchopt.sgd(0.5)
     params = {"a": torch.zeros(3), "b": torch.zeros(2, 2)}

@@ -235,7 +235,8 @@ class MamlPlusPlus(MetaLearner):
         """
         if STEP_KEY in buffers:
             raise ValueError(f"MamlPlusPlus.init_buffers(buffers): buffers hold {STEP_KEY!r} "
-                             "already (init_buffers was applied twice?); pass the model's buffers")
+                             "already (init_buffers was applied twice? init_meta_state applies "
+                             "it); pass the model's own buffers")
         if params is not None:
             missing = sorted(self.per_step - set(params) - set(buffers))
             if missing:
@@ -256,7 +257,8 @@ class MamlPlusPlus(MetaLearner):
             raise ValueError(
                 f"{where}: buffers have no {STEP_KEY!r} (the outer step counter that "
                 "multi_step_loss / first_order_until read); build them with "
-                "learner.init_buffers(buffers) and pass those to init_meta_state")
+                "init_meta_state(learner, params, buffers, ...) (it applies learner.init_buffers) or "
+                "learner.init_buffers(buffers)")
         if self.lslr:
             missing = [LSLR_PREFIX + k for k in self.adapted_names(meta_params)
                        if LSLR_PREFIX + k not in meta_params]

@@ -46,8 +46,11 @@ def init_meta_state(
 ) -> TrainState:
     """Return the initial :class:`torchfn.functional.TrainState` of meta-training.
 
-    ``state.params`` are ``learner.init(params)`` (Meta-SGD's learned rates included), so the
-    state saves and loads with :func:`torchfn.functional.save_checkpoint`. The optimizer state
+    ``state.params`` are ``learner.init(params)`` (Meta-SGD's learned rates included) and
+    ``state.buffers`` are ``learner.init_buffers(buffers, params)`` for a learner that has one
+    (MAML++: per-step BatchNorm stacks and the outer-step counter), else ``buffers``: pass the
+    model's own params and buffers. The state saves and loads with
+    :func:`torchfn.functional.save_checkpoint`. The optimizer state
     covers the meta-params that are trained: ``trainable`` (a callable ``name -> bool`` or a
     collection of names), by default all but the model's frozen params
     (``learner.model_fn.frozen``, recorded by :func:`torchfn.functional.make_functional` for
@@ -64,9 +67,11 @@ def init_meta_state(
     """
     check_optimizer(optimizer, "init_meta_state")
     meta = learner.init(params)
+    init_buffers = getattr(learner, "init_buffers", None)
+    buffers = init_buffers(buffers, params) if init_buffers is not None else dict(buffers)
     names = StepOptions(trainable=trainable, where="init_meta_state").trainable_names(
         meta, _frozen(learner))
-    return init_train_state(meta, dict(buffers), optimizer, seed=seed, loss_scale=loss_scale,
+    return init_train_state(meta, buffers, optimizer, seed=seed, loss_scale=loss_scale,
                             trainable=names)
 
 
