@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+import zoo
 from torch import Tensor
 
-from tests import zoo
 from torchfn.persample import grad_inner_products, make_ghost_model, tracin_scores
 
 F64 = torch.float64
