@@ -485,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     print(f"device: {_device_name(torch.device(args.device))}; {_versions()}", flush=True)
     result = run(args)
+    print("torchfn vs materialised:")
+    for r in result["results"]:
+        if r["method"] == "torchfn-ghost" and "error" not in r:
+            print(f"  {r['workload']}: {_check_text(r)[2:]}")
     for note in result["errors"]:
         print(note)
     print(f"total {result['total_s']:.0f} s")
