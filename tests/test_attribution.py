@@ -356,3 +356,19 @@ def test_chunk_size_is_checked() -> None:
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match=r"chunk_size=.*expected a positive int"):
             grad_inner_products(ghost, loss, params, buffers, xs, ys, xq, yq, chunk_size=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["conv_zoo", "encoder"])
+def test_cuda_equals_cpu_loop(name: str) -> None:
+    """Both routes and the chunked train set on CUDA (float64) against the CPU loop."""
+    ghost, params, buffers, xs, ys, xq, yq, loss = setup(name)
+    ref = loop_flat(ghost, params, buffers, xs, ys, loss) @ loop_flat(
+        ghost, params, buffers, xq, yq, loss).T
+    cuda = lambda d: {k: v.cuda() for k, v in d.items()}  # noqa: E731
+    ghost_c, _, _ = make_ghost_model(CASES[name][0]().to(F64).cuda())
+    got = grad_inner_products(ghost_c, loss, cuda(params), cuda(buffers), xs.cuda(), ys.cuda(),
+                              xq.cuda(), yq.cuda(), chunk_size=2)
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), ref, **TOL)
