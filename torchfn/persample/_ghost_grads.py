@@ -61,7 +61,7 @@ class GhostGrads:
         layer_params = {n: lay.params for n, lay in spec.items()}
         self._group = tied_groups(layer_params)  # layer -> first layer of its tied group
         self._pairs = shared_pairs(layer_params)
-        self._cache: dict[Any, Tensor] = {}  # materialised layers of inner(), (B, P_layer) each
+        self._cache: dict[Any, list[Tensor]] = {}  # materialised layers of inner(): [(B, P_k)]
 
     def sq_norms(self, per_layer: bool = False) -> Tensor | TensorDict:
         """Return the ``(B,)`` squared per-sample gradient norms (all parameters together).
@@ -283,32 +283,39 @@ def _linear_inner(x: _LinearLike, y: _LinearLike) -> Tensor:
     return out + bias if bias is not None else out
 
 
-def _flat(p: Prepared, cache: dict[Any, Tensor], key: Any) -> Tensor:
-    """``(B, P)``: ``p``'s per-sample gradients materialised and flattened (names sorted),
-    kept in ``cache`` under ``key`` (a query batch scored against many train chunks is
-    materialised once)."""
+def _flat(p: Prepared, cache: dict[Any, list[Tensor]], key: Any) -> list[Tensor]:
+    """``[(B, P_k)]``: ``p``'s per-sample gradients materialised, one flattened view per
+    parameter (names sorted), kept in ``cache`` under ``key`` (a query batch scored against
+    many train chunks is materialised once)."""
     if key not in cache:
         grads = p.materialize()
-        cache[key] = torch.cat([grads[k].reshape(grads[k].shape[0], -1) for k in sorted(grads)],
-                               1)
+        cache[key] = [grads[k].reshape(grads[k].shape[0], -1) for k in sorted(grads)]
     return cache[key]
 
 
-def _layer_inner(x: Prepared, y: Prepared, name: str, cache_x: dict[Any, Tensor],
-                 cache_y: dict[Any, Tensor]) -> Tensor:
+def _dot_lists(xs: list[Tensor], ys: list[Tensor]) -> Tensor:
+    """``sum_k x_k @ y_k^T`` over matching ``(B1, P_k)``, ``(B2, P_k)`` pairs: ``(B1, B2)``."""
+    total = _flat_dot(xs[0], ys[0])
+    for x, y in zip(xs[1:], ys[1:], strict=True):
+        total = total + _flat_dot(x, y)
+    return total
+
+
+def _layer_inner(x: Prepared, y: Prepared, name: str, cache_x: dict[Any, list[Tensor]],
+                 cache_y: dict[Any, list[Tensor]]) -> Tensor:
     """``(B1, B2)`` inner products of one layer's per-sample gradients in two batches: per
     linear part (a linear/conv layer, an attention layer's four maps, a recurrent layer's
     weights) the cheaper of the ghost form and materialising (:func:`inner_route`); any other
     layer materialised."""
     px, py = x.linear_parts(), y.linear_parts()
     if px is None or py is None or len(px) != len(py):
-        return _flat_dot(_flat(x, cache_x, name), _flat(y, cache_y, name))
+        return _dot_lists(_flat(x, cache_x, name), _flat(y, cache_y, name))
     total: Tensor | None = None
     for i, (a, b) in enumerate(zip(px, py, strict=True)):
         if inner_route(a, b) == "ghost":
             d = _linear_inner(a, b)
         else:
-            d = _flat_dot(_flat(a, cache_x, (name, i)), _flat(b, cache_y, (name, i)))
+            d = _dot_lists(_flat(a, cache_x, (name, i)), _flat(b, cache_y, (name, i)))
         total = d if total is None else total + d
     assert total is not None
     return total
