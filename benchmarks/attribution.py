@@ -414,6 +414,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"{what}: unknown {bad}; expected a comma-separated subset of "
                              f"{', '.join(allowed)}")
     cfgs = configs(args.tiny)
+    if args.seq:
+        cfgs["transformer"]["model"]["seq"] = args.seq
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "device": _device_name(device),
         "versions": _versions(), "command": args.command, "tf32": set_tf32_off(),
@@ -465,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=None,
                         help="train (and query, materialised) samples per pass (default per "
                              "workload: cnn 2000, transformer 500; --tiny 16)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="the transformer's sequence length (default 128; --tiny 16)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats per row (default 5; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None,
