@@ -351,6 +351,36 @@ def test_chunked_train_equals_one_pass(name: str) -> None:
         tracin_scores(ghost, loss, [params, later], [0.5, 0.1], buffers, xs, ys, xq, yq), **TOL)
 
 
+class TwoInputs(nn.Module):  # inputs: a tuple (one positional argument)
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, xs: tuple[Tensor, Tensor]) -> Tensor:
+        return self.b(torch.tanh(self.a(xs[0])) * xs[1])
+
+
+def test_chunked_tuple_inputs() -> None:
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(TwoInputs().to(F64))
+    xs = (torch.randn(7, 3, dtype=F64), torch.randn(7, 4, dtype=F64))
+    xq = (torch.randn(2, 3, dtype=F64), torch.randn(2, 4, dtype=F64))
+    ys, yq = torch.randn(7, 2, dtype=F64), torch.randn(2, 2, dtype=F64)
+
+    def loop(x, y):
+        rows = []
+        for i in range(y.shape[0]):
+            p = {k: v.clone().requires_grad_() for k, v in params.items()}
+            loss = sq_loss(ghost(p, buffers, (x[0][i:i + 1], x[1][i:i + 1]))[0], y[i:i + 1])
+            rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss.sum(),
+                                                                            list(p.values()))]))
+        return torch.stack(rows)
+
+    ref = loop(xs, ys) @ loop(xq, yq).T
+    got = grad_inner_products(ghost, sq_loss, params, buffers, xs, ys, xq, yq, chunk_size=3)
+    torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_chunk_size_is_checked() -> None:
     ghost, params, buffers, xs, ys, xq, yq, loss = setup("mlp")
     for bad in (0, -2, 1.5, True):

@@ -67,8 +67,8 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
     ``chunk_size``: score the train set in chunks of this many samples (one ghost pass each,
     against the query pass made once; a layer the query side materialises is materialised
     once), bounding memory by the chunk instead of ``N_train``; ``None``: one pass over all.
-    Tensors of the train inputs/targets whose dim 0 is ``N_train`` are cut; others (shared by
-    the batch) are passed whole. Frozen parameters do not count. With ``per_layer=True``
+    Every tensor of the train inputs (tensor, tuple or dict, as for
+    :meth:`GhostModel.per_sample`) and targets is cut along dim 0. Frozen parameters do not count. With ``per_layer=True``
     return ``{layer_name: (N_train, N_query)}`` summing to the total. The similarity base of
     TracIn (:func:`tracin_scores`) and gradient-similarity attribution.
 
