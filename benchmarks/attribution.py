@@ -262,7 +262,8 @@ def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.devic
         except ImportError:
             row["error"] = "not installed"
             return row
-        row["error"] = f"installed ({module} {version}) but no adapter in this script yet: not timed"
+        row["error"] = (f"installed ({module} {version}) but no adapter in this script yet: "
+                        "not timed")
         return row
     try:
         model, data = build(workload, cfg, args.train, args.query, device)

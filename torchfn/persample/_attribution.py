@@ -68,9 +68,10 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
     against the query pass made once; a layer the query side materialises is materialised
     once), bounding memory by the chunk instead of ``N_train``; ``None``: one pass over all.
     Every tensor of the train inputs (tensor, tuple or dict, as for
-    :meth:`GhostModel.per_sample`) and targets is cut along dim 0. Frozen parameters do not count. With ``per_layer=True``
-    return ``{layer_name: (N_train, N_query)}`` summing to the total. The similarity base of
-    TracIn (:func:`tracin_scores`) and gradient-similarity attribution.
+    :meth:`GhostModel.per_sample`) and targets is cut along dim 0. Frozen parameters do not
+    count. With ``per_layer=True`` return ``{layer_name: (N_train, N_query)}`` summing to
+    the total. The similarity base of TracIn (:func:`tracin_scores`) and gradient-similarity
+    attribution.
 
     Example::
 

@@ -150,10 +150,10 @@ class GhostGrads:
         gradients and ``other``'s (a batch of the same :class:`GhostModel`).
 
         All trainable parameters count (frozen ones have zero gradient). Linear maps
-        (``nn.Linear``, HF ``Conv1D``, convs on the default unfold route, grouped or not) use the ghost form ``<G_i, G'_j>
-        = sum_{t,s} (a_it . a'_js) (g_it . g'_js)`` (plus ``(sum_t g_it) . (sum_s g'_js)`` for a
-        bias), never forming a per-sample gradient, where that is cheaper than materialising
-        both batches' gradients and one matmul (the cost rule of
+        (``nn.Linear``, HF ``Conv1D``, convs on the default unfold route, grouped or not) use
+        the ghost form ``<G_i, G'_j> = sum_{t,s} (a_it . a'_js) (g_it . g'_js)`` (plus ``(sum_t
+        g_it) . (sum_s g'_js)`` for a bias), never forming a per-sample gradient, where that is
+        cheaper than materialising both batches' gradients and one matmul (the cost rule of
         :func:`torchfn.persample._ghost_grads.inner_route`: dense layers, short sequences, convs
         with few output positions; grouped maps sum the ghost form over the groups). The
         same goes for the linear maps inside attention and recurrent layers. Every other layer
