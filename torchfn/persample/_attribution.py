@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from torchfn.persample._ghost_norms import GhostModel
@@ -33,19 +34,44 @@ def _check_pair(inputs: Any, targets: Any, what: str, where: str) -> None:
                          f"{n_t}; pass one target per {what} sample (dim 0)")
 
 
+def _rows(x: Any, lo: int, hi: int, n: int) -> Any:
+    """``x`` with every tensor whose dim 0 is the batch ``n`` cut to samples ``lo:hi``."""
+    if isinstance(x, Tensor):
+        return x[lo:hi] if x.dim() > 0 and x.shape[0] == n else x
+    if isinstance(x, Mapping):
+        return {k: _rows(v, lo, hi, n) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_rows(v, lo, hi, n) for v in x)
+    return x
+
+
+def _concat(parts: list[Tensor | TensorDict]) -> Tensor | TensorDict:
+    if isinstance(parts[0], dict):
+        return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}  # type: ignore[index]
+    return torch.cat(parts, 0)  # type: ignore[arg-type]
+
+
 def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tensor],
                         buffers: Mapping[str, Tensor], train_inputs: Any, train_targets: Any,
                         query_inputs: Any, query_targets: Any, *,
-                        per_layer: bool = False) -> Tensor | TensorDict:
+                        per_layer: bool = False,
+                        chunk_size: int | None = None) -> Tensor | TensorDict:
     """Return ``(N_train, N_query)``: ``<grad l_i, grad l_j>`` over all trainable parameters.
 
     ``l_i = loss_fn(outputs, targets)[i]`` on the train batch, ``l_j`` likewise on the query
     batch (``loss_fn`` must return the ``(B,)`` per-sample losses). Two ghost passes
-    (:meth:`GhostModel.per_sample`), then :meth:`GhostGrads.inner`: plain linear layers by
-    the ghost form ``sum_{t,s} (a_it . a_js)(g_it . g_js)`` (no per-sample gradient formed),
-    other layers materialised. Frozen parameters do not count. With ``per_layer=True``
-    return ``{layer_name: (N_train, N_query)}`` summing to the total. The similarity base of
-    TracIn (:func:`tracin_scores`) and gradient-similarity attribution.
+    (:meth:`GhostModel.per_sample`), then :meth:`GhostGrads.inner`: per linear map (linear,
+    conv, attention projections, recurrent weights) the cheaper of the ghost form ``sum_{t,s}
+    (a_it . a_js)(g_it . g_js)`` (no per-sample gradient formed) and materialising both
+    sides; other layers materialised.
+    ``chunk_size``: score the train set in chunks of this many samples (one ghost pass each,
+    against the query pass made once; a layer the query side materialises is materialised
+    once), bounding memory by the chunk instead of ``N_train``; ``None``: one pass over all.
+    Every tensor of the train inputs (tensor, tuple or dict, as for
+    :meth:`GhostModel.per_sample`) and targets is cut along dim 0. Frozen parameters do not
+    count. With ``per_layer=True`` return ``{layer_name: (N_train, N_query)}`` summing to
+    the total. The similarity base of TracIn (:func:`tracin_scores`) and gradient-similarity
+    attribution.
 
     Example::
 
@@ -70,21 +96,35 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
                         f"per-sample losses, got {type(loss_fn).__name__}")
     _check_pair(train_inputs, train_targets, "train", where)
     _check_pair(query_inputs, query_targets, "query", where)
-    train = ghost.per_sample(params, buffers, train_inputs, train_targets, loss_fn).grads
+    n = _batch(train_targets) if _batch(train_targets) is not None else _batch(train_inputs)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"{where}(chunk_size={chunk_size!r}): expected a positive int (train "
+                         "samples per ghost pass) or None (all at once)")
     query = ghost.per_sample(params, buffers, query_inputs, query_targets, loss_fn).grads
-    return train.inner(query, per_layer=per_layer)
+    if chunk_size is None or n is None or chunk_size >= n:
+        train = ghost.per_sample(params, buffers, train_inputs, train_targets, loss_fn).grads
+        return train.inner(query, per_layer=per_layer)
+    parts = []
+    for lo in range(0, n, chunk_size):
+        hi = min(n, lo + chunk_size)
+        train = ghost.per_sample(params, buffers, _rows(train_inputs, lo, hi, n),
+                                 _rows(train_targets, lo, hi, n), loss_fn).grads
+        parts.append(train.inner(query, per_layer=per_layer))
+        del train
+    return _concat(parts)
 
 
 def tracin_scores(ghost: GhostModel, loss_fn: LossFn, checkpoints: Sequence[Mapping[str, Tensor]],
                   lrs: Sequence[float], buffers: Mapping[str, Tensor], train_inputs: Any,
                   train_targets: Any, query_inputs: Any, query_targets: Any, *,
-                  per_layer: bool = False) -> Tensor | TensorDict:
+                  per_layer: bool = False, chunk_size: int | None = None) -> Tensor | TensorDict:
     """Return ``(N_train, N_query)``: TracIn-CP scores ``sum_k lr_k <grad l_i(w_k), grad l_j(w_k)>``.
 
     ``checkpoints``: the parameter dicts ``w_k`` saved during training (keys of ``params``
     from :func:`make_ghost_model`); ``lrs``: the learning rate in effect at each (same
-    length). Each term is :func:`grad_inner_products` at that checkpoint (``buffers`` shared);
-    ``per_layer=True`` gives ``{layer_name: (N_train, N_query)}``.
+    length). Each term is :func:`grad_inner_products` at that checkpoint (``buffers`` shared;
+    ``chunk_size`` as there); ``per_layer=True`` gives ``{layer_name: (N_train, N_query)}``.
 
     Example::
 
@@ -107,7 +147,8 @@ def tracin_scores(ghost: GhostModel, loss_fn: LossFn, checkpoints: Sequence[Mapp
     total: Tensor | TensorDict | None = None
     for w, lr in zip(checkpoints, lrs, strict=True):
         s = grad_inner_products(ghost, loss_fn, w, buffers, train_inputs, train_targets,
-                                query_inputs, query_targets, per_layer=per_layer)
+                                query_inputs, query_targets, per_layer=per_layer,
+                                chunk_size=chunk_size)
         if isinstance(s, dict):
             prev = total if isinstance(total, dict) else {}
             total = {k: prev[k] + lr * v if k in prev else lr * v for k, v in s.items()}

@@ -104,6 +104,9 @@ class _Blocks(Prepared):
         for p in (*self.blocks, self.out):
             p.expect_weighted_sum()
 
+    def linear_parts(self) -> list[_LinearLike]:
+        return [*self.blocks, self.out]
+
     def sq_norms(self) -> Tensor:
         total = self.out.sq_norms()
         for p in self.blocks:

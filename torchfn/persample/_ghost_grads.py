@@ -61,6 +61,7 @@ class GhostGrads:
         layer_params = {n: lay.params for n, lay in spec.items()}
         self._group = tied_groups(layer_params)  # layer -> first layer of its tied group
         self._pairs = shared_pairs(layer_params)
+        self._cache: dict[Any, list[Tensor]] = {}  # materialised layers of inner(): [(B, P_k)]
 
     def sq_norms(self, per_layer: bool = False) -> Tensor | TensorDict:
         """Return the ``(B,)`` squared per-sample gradient norms (all parameters together).
@@ -148,11 +149,17 @@ class GhostGrads:
         """Return ``(B1, B2)``: ``<grad l_i, grad l'_j>`` between this batch's per-sample
         gradients and ``other``'s (a batch of the same :class:`GhostModel`).
 
-        All trainable parameters count (frozen ones have zero gradient). Plain linear maps
-        (``nn.Linear``, HF ``Conv1D``, ungrouped unfold convs) use the ghost form ``<G_i, G'_j>
-        = sum_{t,s} (a_it . a'_js) (g_it . g'_js)`` (plus ``(sum_t g_it) . (sum_s g'_js)`` for a
-        bias), never forming a per-sample gradient; every other layer, and every group of
-        layers that share a parameter, is materialised and dotted. With ``per_layer=True``
+        All trainable parameters count (frozen ones have zero gradient). Linear maps
+        (``nn.Linear``, HF ``Conv1D``, convs on the default unfold route, grouped or not) use
+        the ghost form ``<G_i, G'_j> = sum_{t,s} (a_it . a'_js) (g_it . g'_js)`` (plus ``(sum_t
+        g_it) . (sum_s g'_js)`` for a bias), never forming a per-sample gradient, where that is
+        cheaper than materialising both batches' gradients and one matmul (the cost rule of
+        :func:`torchfn.persample._ghost_grads.inner_route`: dense layers, short sequences, convs
+        with few output positions; grouped maps sum the ghost form over the groups). The
+        same goes for the linear maps inside attention and recurrent layers. Every other layer
+        (and every group of layers that share a parameter) is materialised and dotted; a
+        materialised layer is kept on its :class:`GhostGrads`, so scoring one query batch
+        against many train batches materialises the query once. With ``per_layer=True``
         return ``{layer_name: (B1, B2)}`` (a tied group under its first layer, the others
         zeros, as in :meth:`sq_norms`); their sum is the total. ``self.inner(self)`` has
         ``sq_norms()`` on its diagonal.
@@ -187,7 +194,7 @@ class GhostGrads:
             x, y = self._layers.get(name), other._layers.get(name)
             if x is None or y is None:  # the layer was not called in one of the batches
                 continue
-            out[name] = _layer_inner(x, y).to(dtype)
+            out[name] = _layer_inner(x, y, name, self._cache, other._cache).to(dtype)
         heads = dict.fromkeys(self._group[n] for n in grouped)
         for head in heads:  # tied groups: per-sample gradients of the union of their params
             members = [n for n in self._spec if self._group[n] == head]
@@ -223,41 +230,92 @@ def _flat_dot(x: Tensor, y: Tensor) -> Tensor:
     return x.reshape(x.shape[0], -1).to(dtype) @ y.reshape(y.shape[0], -1).to(dtype).T
 
 
-def _plain_linear(p: Prepared) -> bool:
-    return type(p) is _LinearLike and p.groups == 1
+_GHOST_INNER_BLOCK = 1 << 24  # elements of one (rows, B2, T, S, groups) block of the ghost form
 
 
-_GHOST_INNER_BLOCK = 1 << 24  # elements of one (rows, B2, T, S) block of the ghost form
+def inner_route(x: _LinearLike, y: _LinearLike) -> str:
+    """``"ghost"`` or ``"materialize"``: the cheaper form of one linear map's ``(B1, B2)`` inner
+    products (multiply-adds; the two batches' shapes are read, nothing is computed).
+
+    Per group the map is ``(o, k)`` (``k`` inputs, ``o`` outputs; a conv: ``k = C_in/groups *
+    prod(kernel)`` patch entries, positions ``T``/``S`` its output positions). The ghost form
+    ``sum_{t,s} (a_it . a'_js)(g_it . g'_js)`` costs ``B1 B2 T S (k + o)``; materialising
+    both sides and one ``(B1, ok) @ (ok, B2)`` matmul costs ``(B1 T + B2 S + B1 B2) o k`` (and
+    holds ``(B1 + B2) o k`` numbers). The ghost form is taken iff it costs no more: for large
+    batches iff ``T S (k + o) <= o k`` -- dense layers (``T = S = 1``) always, sequence linears
+    only at short lengths, convs only when the output positions are few (e.g. late, strided
+    layers): the benchmark CNN's convs (``T = 784, 196``) are materialised, its dense layers not.
+    """
+    t = x.a.shape[1] if x.a.dim() == 3 else 1
+    s = y.a.shape[1] if y.a.dim() == 3 else 1
+    b1, b2 = x.a.shape[0], y.a.shape[0]
+    k, o = x.a.shape[-1] // x.groups, x.g.shape[-1] // x.groups
+    ghost = b1 * b2 * t * s * (k + o)
+    materialize = (b1 * t + b2 * s + b1 * b2) * o * k
+    return "ghost" if ghost <= materialize else "materialize"
 
 
 def _linear_inner(x: _LinearLike, y: _LinearLike) -> Tensor:
-    """``(B1, B2)``: ``sum_{t,s} (a_it . a'_js) (g_it . g'_js)`` (+ the bias term)."""
+    """``(B1, B2)``: ``sum_{t,s,group} (a_it . a'_js)(g_it . g'_js)`` (+ the bias term)."""
     dtype = torch.promote_types(x.a.dtype, y.a.dtype)
     ax, gx, ay, gy = (t.to(dtype) for t in (x.a, x.g, y.a, y.g))
-    if ax.dim() == 2 and ay.dim() == 2:  # one position per sample
+    n = x.groups
+    if ax.dim() == 2 and ay.dim() == 2 and n == 1:  # one position per sample
         out = (ax @ ay.T) * (gx @ gy.T)
         return out + gx @ gy.T if x.bias else out
     ax, gx, ay, gy = (t if t.dim() == 3 else t[:, None] for t in (ax, gx, ay, gy))
+    bias = gx.sum(1) @ gy.sum(1).T if x.bias else None
     b1, t, s, b2 = ax.shape[0], ax.shape[1], ay.shape[1], ay.shape[0]
-    rows = max(1, _GHOST_INNER_BLOCK // max(1, b2 * t * s))
+    rows = max(1, _GHOST_INNER_BLOCK // max(1, b2 * t * s * n))
     blocks = []
-    for i in range(0, b1, rows):  # bound the (rows, B2, T, S) Gram blocks
-        aa = torch.einsum("itd,jsd->ijts", ax[i:i + rows], ay)
-        gg = torch.einsum("ito,jso->ijts", gx[i:i + rows], gy)
-        blocks.append((aa * gg).sum((2, 3)))
+    if n == 1:
+        for i in range(0, b1, rows):  # bound the (rows, B2, T, S) Gram blocks
+            aa = torch.einsum("itd,jsd->ijts", ax[i:i + rows], ay)
+            gg = torch.einsum("ito,jso->ijts", gx[i:i + rows], gy)
+            blocks.append((aa * gg).sum((2, 3)))
+    else:  # grouped: the groups' Gram products, summed over the groups too
+        ax, gx, ay, gy = (u.unflatten(-1, (n, -1)) for u in (ax, gx, ay, gy))
+        for i in range(0, b1, rows):
+            aa = torch.einsum("itgd,jsgd->ijtsg", ax[i:i + rows], ay)
+            gg = torch.einsum("itgo,jsgo->ijtsg", gx[i:i + rows], gy)
+            blocks.append((aa * gg).sum((2, 3, 4)))
     out = torch.cat(blocks, 0)
-    return out + gx.sum(1) @ gy.sum(1).T if x.bias else out
+    return out + bias if bias is not None else out
 
 
-def _layer_inner(x: Prepared, y: Prepared) -> Tensor:
-    """``(B1, B2)`` inner products of one layer's per-sample gradients in two batches."""
-    if (_plain_linear(x) and _plain_linear(y)
-            and x.transposed == y.transposed and x.bias == y.bias):  # type: ignore[attr-defined]
-        return _linear_inner(x, y)  # type: ignore[arg-type]
-    gx, gy = x.materialize(), y.materialize()
+def _flat(p: Prepared, cache: dict[Any, list[Tensor]], key: Any) -> list[Tensor]:
+    """``[(B, P_k)]``: ``p``'s per-sample gradients materialised, one flattened view per
+    parameter (names sorted), kept in ``cache`` under ``key`` (a query batch scored against
+    many train chunks is materialised once)."""
+    if key not in cache:
+        grads = p.materialize()
+        cache[key] = [grads[k].reshape(grads[k].shape[0], -1) for k in sorted(grads)]
+    return cache[key]
+
+
+def _dot_lists(xs: list[Tensor], ys: list[Tensor]) -> Tensor:
+    """``sum_k x_k @ y_k^T`` over matching ``(B1, P_k)``, ``(B2, P_k)`` pairs: ``(B1, B2)``."""
+    total = _flat_dot(xs[0], ys[0])
+    for x, y in zip(xs[1:], ys[1:], strict=True):
+        total = total + _flat_dot(x, y)
+    return total
+
+
+def _layer_inner(x: Prepared, y: Prepared, name: str, cache_x: dict[Any, list[Tensor]],
+                 cache_y: dict[Any, list[Tensor]]) -> Tensor:
+    """``(B1, B2)`` inner products of one layer's per-sample gradients in two batches: per
+    linear part (a linear/conv layer, an attention layer's four maps, a recurrent layer's
+    weights) the cheaper of the ghost form and materialising (:func:`inner_route`); any other
+    layer materialised."""
+    px, py = x.linear_parts(), y.linear_parts()
+    if px is None or py is None or len(px) != len(py):
+        return _dot_lists(_flat(x, cache_x, name), _flat(y, cache_y, name))
     total: Tensor | None = None
-    for loc, t in gx.items():
-        d = _flat_dot(t, gy[loc])
+    for i, (a, b) in enumerate(zip(px, py, strict=True)):
+        if inner_route(a, b) == "ghost":
+            d = _linear_inner(a, b)
+        else:
+            d = _dot_lists(_flat(a, cache_x, (name, i)), _flat(b, cache_y, (name, i)))
         total = d if total is None else total + d
     assert total is not None
     return total

@@ -95,6 +95,11 @@ class Prepared:
     def expect_weighted_sum(self) -> None:
         """Hint: ``weighted_sum`` will follow ``sq_norms`` (book-keeping DP-SGD)."""
 
+    def linear_parts(self) -> list[_LinearLike] | None:
+        """The linear maps this layer's gradients consist of (each owning its own parameters),
+        whose inner products have a ghost form; None where there is no such decomposition."""
+        return None
+
 
 class Instantiated(Prepared):
     """Per-sample gradients held explicitly (small parameters, or the vmap fallback)."""
@@ -137,6 +142,9 @@ class _LinearLike(Prepared):
 
     def expect_weighted_sum(self) -> None:
         self._bookkeeping = True
+
+    def linear_parts(self) -> list[_LinearLike] | None:
+        return [self]
 
     def _grouped(self) -> tuple[Tensor, Tensor]:
         """``a`` and ``g`` as ``(B, T, G, k)`` and ``(B, T, G, o)``."""

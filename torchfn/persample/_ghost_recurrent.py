@@ -48,6 +48,10 @@ class _RecurrentGrads(Prepared):
         for part, _ in self.parts:
             part.expect_weighted_sum()
 
+    def linear_parts(self) -> list[_LinearLike] | None:
+        parts = [part for part, _ in self.parts]
+        return parts if all(type(p) is _LinearLike for p in parts) else None  # type: ignore[misc]
+
     def sq_norms(self) -> Tensor:
         total = self.parts[0][0].sq_norms()
         for part, _ in self.parts[1:]:

@@ -1,0 +1,72 @@
+"""CPU smoke test of benchmarks/attribution.py: tiny models and sizes, one timed call per row.
+
+Every torchfn and materialised row runs; their score matrices agree (fp32) and the float64
+check of both routes is at rounding level; absent packages (kronfluence, TRAK) are recorded
+as such; the markdown file starts with date, device, torch and the command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("attribution_bench", BENCH / "attribution.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    return mod
+
+
+def test_tiny_run_every_row_and_scores_agree(tmp_path: Path):
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert _load().main(["--tiny", "--device", "cpu", "--repeats", "1", "--warmup", "1",
+                         "--json", str(out), "--md", str(md)]) == 0
+    res = json.loads(out.read_text())
+    rows = {(r["workload"], r["method"]): r for r in res["results"]}
+    assert len(rows) == 2 * 4
+    for w in ("cnn", "transformer"):
+        for m in ("torchfn-ghost", "materialized"):
+            r = rows[w, m]
+            assert "error" not in r, r
+            assert r["median_s"] > 0 and r["first_call_s"] > 0 and r["params"] > 1000
+        g = rows[w, "torchfn-ghost"]
+        assert g["max_rel_diff_vs_materialized"] < 1e-4, g
+        assert g["fp64_max_rel_diff"] < 1e-12, g
+        assert g["speedup_vs_materialized"] > 0
+        assert "fallback" not in g["layers"]
+        for m in ("kronfluence", "trak"):
+            if importlib.util.find_spec(m) is None:
+                assert rows[w, m]["error"] == "not installed"
+            else:
+                assert "median_s" in rows[w, m] or "installed" in rows[w, m]["error"]
+    # the cost rule at these sizes: convs materialised (784 and 196 positions), dense layers ghost
+    routes = rows["cnn", "torchfn-ghost"]["routes"]
+    assert routes == {"9x4 T=784 S=784: materialize": 1, "36x8 T=196 S=196: materialize": 1,
+                      "392x16 T=1 S=1: ghost": 1, "16x10 T=1 S=1: ghost": 1}, routes
+    text = md.read_text()
+    assert text.startswith("# Attribution scores")
+    for needle in ("- Date: ", "- Device: cpu", "torch ", "- Command: `python benchmarks/"
+                   "attribution.py --tiny", "TF32 off", "| cnn | 6,794 | torchfn-ghost | 16 |",
+                   "not installed"):
+        assert needle in text, needle
+
+
+def test_bad_names_and_time_budget(tmp_path: Path):
+    mod = _load()
+    with pytest.raises(SystemExit, match=r"--methods: unknown \['ghost'\]"):
+        mod.main(["--tiny", "--device", "cpu", "--methods", "ghost"])
+    out = tmp_path / "r.json"
+    assert mod.main(["--tiny", "--device", "cpu", "--budget-s", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["error"].startswith("skipped: time budget") for r in rows)
