@@ -35,6 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 import torchopt
+from _progress import progress  # tqdm if installed
 from torch import Tensor, nn
 
 from torchfn.functional import init_train_state, make_functional, make_train_step
@@ -185,7 +186,7 @@ def train_dp(model: nn.Module, sigma: float, seed: int) -> tuple[float, float, f
     sampler = PoissonSampler(N, q, physical, seed=1000 + seed)
     state = init_dp_state(params, buffers, opt, seed=seed, trainable=ghost.trainable)
     acct = RDPAccountant()
-    for t in range(total_steps):
+    for t in progress(range(total_steps), desc="DP fine-tuning"):
         state, _ = step.run(state, sampler.sample(t), lambda i: (X_priv[i], Y_priv[i]), acct)
     acc = accuracy(ghost, state.params, buffers, X_test, Y_test)
     eps = acct.get_epsilon(DELTA) if sigma > 0 else math.inf

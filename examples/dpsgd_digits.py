@@ -30,6 +30,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 import torchopt
+from _progress import progress  # tqdm if installed
 from sklearn.datasets import load_digits
 from torch import nn
 
@@ -107,7 +108,7 @@ def train_dp(sigma: float, seed: int) -> tuple[list[float], float]:
     sampler = PoissonSampler(N, q, physical, seed=1000 + seed)
     state, acct = init_dp_state(params, buffers, opt, seed=seed), RDPAccountant()
     curve, eps = [], math.nan
-    for t in range(total_steps):
+    for t in progress(range(total_steps), desc=f"DP-SGD sigma {sigma:.3g}"):
         start = time.perf_counter()
         state, metrics = step.run(state, sampler.sample(t), lambda i: (X_train[i], Y_train[i]),
                                   acct)
@@ -132,7 +133,7 @@ def train_plain(seed: int) -> list[float]:
     state = init_train_state(params, buffers, opt, seed=seed)
     gen = torch.Generator().manual_seed(2000 + seed)
     curve = []
-    for _ in range(args.epochs):
+    for _ in progress(range(args.epochs), desc="non-private epochs"):
         order = torch.randperm(N, generator=gen)
         for b in range(steps_per_epoch):
             idx = order[b * BATCH : (b + 1) * BATCH]

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _progress import progress  # tqdm if installed
 from torch import nn
 
 from torchfn.compile import compile_step
@@ -55,7 +56,7 @@ def main() -> None:
         return F.mse_loss(model_fn(p, {}, tasks.support_x)[0], tasks.support_y)
 
     t0 = time.perf_counter()
-    for i in range(args.steps):
+    for i in progress(range(args.steps), desc="meta-training"):
         tasks = sinusoid_tasks(25, 10, 10, generator=gen)[0]
         state, metrics = step(state, tasks)
         g = torch.func.grad(pooled_loss)(base, tasks)

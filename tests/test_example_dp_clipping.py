@@ -12,7 +12,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dp_clipping_digits
 
 
 def test_dp_clipping_example_smoke(tmp_path: Path) -> None:
-    env = dict(os.environ, TORCHFN_OPS="reference", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, TORCHFN_OPS="reference", CUDA_VISIBLE_DEVICES="", TORCHFN_PROGRESS="0")
     cmd = [sys.executable, str(EXAMPLE), "--smoke", "--epsilon", "3", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"

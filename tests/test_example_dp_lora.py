@@ -18,7 +18,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dp_lora_digits.py"
 
 def test_dp_lora_example_smoke(tmp_path: Path):
     # the generated stand-in data: scikit-learn (the `examples` extra) is optional here
-    env = dict(os.environ, TORCHFN_OPS="reference", CUDA_VISIBLE_DEVICES="",
+    env = dict(os.environ, TORCHFN_OPS="reference", CUDA_VISIBLE_DEVICES="", TORCHFN_PROGRESS="0",
                PYTHONWARNINGS="ignore::FutureWarning")
     cmd = [sys.executable, str(EXAMPLE), "--smoke", "--data", "synthetic", "--epsilons", "1,8",
            "--out", str(tmp_path)]

@@ -13,7 +13,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "mislabel_digits.py
 
 def test_mislabel_example_smoke(tmp_path: Path):
     # synthetic blobs: scikit-learn (the `examples` extra) is optional here
-    env = dict(os.environ, TORCHFN_OPS="reference", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, TORCHFN_OPS="reference", CUDA_VISIBLE_DEVICES="", TORCHFN_PROGRESS="0")
     cmd = [sys.executable, str(EXAMPLE), "--smoke", "--data", "synthetic", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
