@@ -53,8 +53,23 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def conv_net(blocks: int, channels: int, n_way: int, size: int):
+    """``benchmarks.meta.conv_net`` with ``blocks`` conv blocks (4 there)."""
+    from torch import nn
+
+    layers: list[nn.Module] = []
+    c_in = 1
+    for _ in range(blocks):
+        layers += [nn.Conv2d(c_in, channels, 3, padding=1),
+                   nn.BatchNorm2d(channels, eps=EPS, track_running_stats=False), nn.ReLU(),
+                   nn.MaxPool2d(2)]
+        c_in = channels
+    side = size >> blocks
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * side * side, n_way))
+
+
 def pure_conv(n_blocks: int):
-    """Return ``model_fn(params, buffers, x)``: ``benchmarks.meta.conv_net`` as pure ops."""
+    """Return ``model_fn(params, buffers, x)``: :func:`conv_net` as pure ops."""
     import torch
     import torch.nn.functional as F
 
@@ -79,7 +94,7 @@ def run_one(cfg: dict) -> dict:
     import torch.nn.functional as F
 
     sys.path.insert(0, HERE)
-    from meta import conv_net, make_tasks
+    from meta import make_tasks
 
     from torchfn.functional import make_functional
     from torchfn.meta import fomaml, maml
@@ -89,10 +104,10 @@ def run_one(cfg: dict) -> dict:
     torch._dynamo.reset()
     dtype = getattr(torch, cfg["dtype"])
     design, steps = cfg["design"], cfg["steps"]
-    net = conv_net(cfg["channels"], cfg["way"], cfg["size"]).to(dtype)
+    net = conv_net(cfg["blocks"], cfg["channels"], cfg["way"], cfg["size"]).to(dtype)
     module_fn, params, buffers = make_functional(net)
     pure = design in ("unrolled-pure", "region")
-    model_fn = pure_conv(4) if pure else module_fn
+    model_fn = pure_conv(cfg["blocks"]) if pure else module_fn
     tasks = make_tasks(cfg["tasks"], cfg["way"], cfg["shot"], cfg["query"], cfg["size"],
                        torch.device("cpu"), dtype)
     make = maml if cfg["algo"] == "maml" else fomaml
@@ -144,7 +159,8 @@ def main() -> None:
     ap.add_argument("--algos", default="maml,fomaml")
     ap.add_argument("--steps", default="1,2,4,8")
     ap.add_argument("--channels", type=int, default=8)
-    ap.add_argument("--size", type=int, default=16, help="image side (4 max-pools: >= 16)")
+    ap.add_argument("--blocks", type=int, default=2, help="conv blocks (4 in benchmarks/meta.py)")
+    ap.add_argument("--size", type=int, default=14, help="image side (>= 2**blocks)")
     ap.add_argument("--tasks", type=int, default=4)
     ap.add_argument("--way", type=int, default=5)
     ap.add_argument("--shot", type=int, default=1)
@@ -162,7 +178,8 @@ def main() -> None:
     if bad:
         raise SystemExit(f"meta_compile_time.py --designs: unknown {bad}; known: {DESIGNS}")
     print(f"torch {__import__('torch').__version__}, CPU, OMP_NUM_THREADS="
-          f"{os.environ.get('OMP_NUM_THREADS')}, conv_net({args.channels}) {args.size}x"
+          f"{os.environ.get('OMP_NUM_THREADS')}, {args.blocks}-block conv net with "
+          f"{args.channels} channels, {args.size}x"
           f"{args.size}, {args.tasks} tasks {args.way}-way {args.shot}-shot {args.query} "
           f"query/class, {args.dtype}")
     print(f"{'design':<14} {'algo':<7} {'K':>2} {'compile s':>9} {'cpu s':>7} {'step ms':>8} "
@@ -170,7 +187,8 @@ def main() -> None:
     for algo in args.algos.split(","):
         for design in designs:
             for k in map(int, args.steps.split(",")):
-                cfg = {"design": design, "algo": algo, "steps": k, "channels": args.channels,
+                cfg = {"design": design, "algo": algo, "steps": k, "blocks": args.blocks,
+                       "channels": args.channels,
                        "size": args.size, "tasks": args.tasks, "way": args.way,
                        "shot": args.shot, "query": args.query, "dtype": args.dtype,
                        "repeats": args.repeats}
@@ -180,12 +198,15 @@ def main() -> None:
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 rec = (json.loads(lines[-1][7:]) if lines
                        else dict(cfg, error=(proc.stderr.strip().splitlines() or ["?"])[-1]))
+                rec["bwd_variants_warned"] = "traced multiple backward graphs" in proc.stderr
                 if "error" in rec:
                     print(f"{design:<14} {algo:<7} {k:>2} FAILED: {rec['error']}")
                 else:
                     print(f"{design:<14} {algo:<7} {k:>2} {rec['compile_s']:>9.1f} "
                           f"{rec['compile_cpu_s']:>7.1f} {rec['step_ms']:>8.2f} "
-                          f"{rec['graphs']:>6} {rec['max_abs_diff']:>9.1e}", flush=True)
+                          f"{rec['graphs']:>6} {rec['max_abs_diff']:>9.1e}"
+                          + ("  (region backward traced twice)" if rec["bwd_variants_warned"]
+                             else ""), flush=True)
                 if args.out:
                     with open(args.out, "a") as f:
                         f.write(json.dumps(rec) + "\n")

@@ -48,6 +48,19 @@ def _fresh(out: Any, inp: Any) -> Any:
     return optree.tree_map(lambda o, i: o.clone() if o is i else o, out, inp)
 
 
+def _canonical_grads(tree: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Return ``tree`` through ``* 1``: an identity whose backward gives the gradient the
+    canonical contiguous strides.
+
+    The region's backward is traced once per distinct layout of its incoming gradients
+    (strides of size-1 dims included). The query loss's backward hands the last inner step
+    gradients whose size-1 dims have other strides than the ones the region's own backward
+    hands the step before it (e.g. ``(6, 1, 6)`` for ``(6, 1, 1)``), which would trace the
+    region's backward a second time; the elementwise ``* 1`` re-strides them.
+    """
+    return {k: v * 1 for k, v in tree.items()}
+
+
 def make_region_step(
     model_fn: Callable[..., Any],
     loss_fn: Callable[[Any, Tensor], Tensor],
@@ -69,15 +82,15 @@ def make_region_step(
 
     def one_task(fast: TensorDict, fixed: TensorDict, state: Any, bufs: TensorDict,
                  support_x: Any, support_y: Any) -> tuple[TensorDict, Any, TensorDict]:
-        def merged(f: Mapping[str, Tensor]) -> TensorDict:
-            return {k: f[k] if k in f else fixed[k] for k in model_names(fixed)}
-
-        def support_loss(f: TensorDict, b: TensorDict) -> tuple[Tensor, TensorDict]:
-            out, new_b = _call_model(model_fn, merged(f), b, support_x,
-                                     "meta-learner (support_x)")
+        # ``fixed`` goes into ``grad`` as an argument, not a closure: Dynamo cannot lift an
+        # unbatched closure tensor into a functorch transform inside a region (torch 2.13)
+        def support_loss(f: TensorDict, b: TensorDict, fx: TensorDict) -> tuple[
+                Tensor, TensorDict]:
+            params = {k: f[k] if k in f else fx[k] for k in model_names(fx)}
+            out, new_b = _call_model(model_fn, params, b, support_x, "meta-learner (support_x)")
             return loss_fn(out, support_y), new_b
 
-        g, new_bufs = grad(support_loss, has_aux=True)(fast, bufs)
+        g, new_bufs = grad(support_loss, has_aux=True)(fast, bufs, fixed)
         if first_order:
             g = {k: v.detach() for k, v in g.items()}
         updates, new_state = inner_opt.update(g, state, params=fast, inplace=False)
@@ -128,7 +141,7 @@ def region_chunk_grad(
             return learner.loss_fn(out, y), new_b
 
         loss_t, out_bufs = vmap(query, randomness=learner.randomness)(
-            fast, bufs, chunk.query_x, chunk.query_y)
+            _canonical_grads(fast), bufs, chunk.query_x, chunk.query_y)
         loss = scaled = loss_t.sum()
         if loss_scale is not None:
             loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
