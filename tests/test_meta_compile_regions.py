@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchfn.compile import compile_step
 from torchfn.functional import make_functional
 from torchfn.meta import (
     LR_PREFIX,
@@ -215,3 +216,13 @@ def test_bad_compile_regions_arguments_are_refused():
     with pytest.raises(ValueError, match=r"compile_regions=...\): expected a bool, got 1"):
         maml(_model_fn, F.mse_loss, compile_regions=1)
     assert "compile_regions=True" in repr(maml(_model_fn, F.mse_loss, compile_regions=True))
+
+
+def test_compile_step_turns_on_trace_autograd_ops_for_its_calls_only():
+    assert not torch._dynamo.config.trace_autograd_ops
+    learner = _learner("maml")
+    meta, tasks = _params(), _tasks()
+    cstep = compile_step(learner.meta_grad, log=None, backend="aot_eager")
+    got, _, _ = cstep(meta, {}, tasks)
+    _close(got, _loop_reference("maml", meta, tasks))
+    assert not torch._dynamo.config.trace_autograd_ops
