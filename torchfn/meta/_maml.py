@@ -90,6 +90,18 @@ class MetaLearner:
     is refused (``ValueError``), as are ``inner_opt`` and random ops (``randomness`` other
     than ``"error"``), which the recompute cannot reproduce.
 
+    ``compile_regions=True`` (MAML, first-order MAML, ANIL, Meta-SGD) cuts the compile time of
+    a compiled :meth:`meta_grad` or meta train step: one inner step of the task chunk is a
+    :func:`torch.compiler.nested_compile_region`, traced, differentiated and built once and
+    called ``inner_steps`` times, instead of ``inner_steps`` unrolled copies in the graph; the
+    outer gradient is ``torch.autograd.grad`` traced into the graph. It needs Dynamo's
+    ``torch._dynamo.config.trace_autograd_ops = True`` (:func:`torchfn.compile.compile_step`
+    sets it for its calls; ``RuntimeError`` otherwise) and a side-effect-free ``model_fn``
+    (a pure function of ``(params, buffers, x)``): torch 2.13 cannot trace the module-slot
+    swap of :func:`torchfn.functional.make_functional`'s ``model_fn`` inside a region, so
+    that combination is refused (``ValueError``). Same numbers as the unrolled graph; eager
+    calls ignore it.
+
     Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
     instead of grouped cuDNN convolutions), which makes the 4-block few-shot conv net's
