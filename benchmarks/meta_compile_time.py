@@ -97,7 +97,7 @@ def run_one(cfg: dict) -> dict:
     from meta import make_tasks
 
     from torchfn.functional import make_functional
-    from torchfn.meta import fomaml, maml
+    from torchfn.meta import _regions, fomaml, maml
     from torchfn.meta._regions import make_region_step, region_chunk_grad
 
     torch.manual_seed(0)
@@ -111,6 +111,7 @@ def run_one(cfg: dict) -> dict:
     tasks = make_tasks(cfg["tasks"], cfg["way"], cfg["shot"], cfg["query"], cfg["size"],
                        torch.device("cpu"), dtype)
     make = maml if cfg["algo"] == "maml" else fomaml
+    _regions.SECOND_ORDER_REGIONS = True  # measured here, refused by the library by default
     learner = make(model_fn, F.cross_entropy, inner_steps=steps, inner_lr=0.1,
                    compile_regions=design.startswith("region"))
     ref, _, _ = learner.meta_grad(params, buffers, tasks)  # eager torch.func path
@@ -120,7 +121,7 @@ def run_one(cfg: dict) -> dict:
                                  model_names=learner._model_names,
                                  first_order=learner.first_order, lr_prefix=None,
                                  randomness=learner.randomness)
-        learner._region_step = torch.compile(plain, fullgraph=True)
+        learner._region_step = torch.compile(plain, fullgraph=True, backend=cfg["backend"])
         names = list(params)
 
         def call():
@@ -128,7 +129,7 @@ def run_one(cfg: dict) -> dict:
             return {k: v / cfg["tasks"] for k, v in g.items()}
     else:
         torch._dynamo.config.trace_autograd_ops = design.startswith("region")
-        compiled = torch.compile(learner.meta_grad, fullgraph=True)
+        compiled = torch.compile(learner.meta_grad, fullgraph=True, backend=cfg["backend"])
 
         def call():
             return compiled(params, buffers, tasks)[0]
@@ -167,6 +168,7 @@ def main() -> None:
     ap.add_argument("--query", type=int, default=2)
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     ap.add_argument("--out", help="append each record as a JSON line to this file")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child mode: a JSON config
     args = ap.parse_args()
@@ -191,7 +193,7 @@ def main() -> None:
                        "channels": args.channels,
                        "size": args.size, "tasks": args.tasks, "way": args.way,
                        "shot": args.shot, "query": args.query, "dtype": args.dtype,
-                       "repeats": args.repeats}
+                       "repeats": args.repeats, "backend": args.backend}
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp())
                 proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
                                       env=env, capture_output=True, text=True, check=False)

@@ -18,6 +18,7 @@ from torchfn.meta import (
     LR_PREFIX,
     MetaLearner,
     Task,
+    _regions,
     anil,
     fomaml,
     init_meta_state,
@@ -87,6 +88,13 @@ def _close(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+@pytest.fixture(autouse=True)
+def second_order_regions(monkeypatch):
+    """Allow second-order regions (refused by default: Inductor miscompiles them in torch
+    2.13; these tests check the graph semantics under aot_eager)."""
+    monkeypatch.setattr(_regions, "SECOND_ORDER_REGIONS", True)
 
 
 @pytest.fixture
@@ -201,6 +209,16 @@ def test_eager_calls_ignore_compile_regions():
     on, _, _ = _learner("maml").meta_grad(meta, {}, tasks)
     off, _, _ = _learner("maml", compile_regions=False).meta_grad(meta, {}, tasks)
     _close(on, off)
+
+
+def test_second_order_regions_are_refused_by_default(monkeypatch):
+    monkeypatch.setattr(_regions, "SECOND_ORDER_REGIONS", False)
+    for make in (maml, meta_sgd):
+        with pytest.raises(ValueError, match=r"Inductor miscompiles the second-order backward"):
+            make(_model_fn, F.mse_loss, compile_regions=True)
+    with pytest.raises(ValueError, match=r"Inductor miscompiles the second-order backward"):
+        anil(_model_fn, F.mse_loss, head=_head, compile_regions=True)
+    assert fomaml(_model_fn, F.mse_loss, compile_regions=True).compile_regions
 
 
 def test_bad_compile_regions_arguments_are_refused():

@@ -38,6 +38,7 @@ from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _check_randomness, _part
 from torchfn.functional import FunctionalModel
+from torchfn.meta import _regions
 from torchfn.meta._regions import make_region_step, region_chunk_grad, regions_available
 from torchfn.meta._remat import remat_task_grad
 from torchfn.meta._second_order import may_use_layer_norm, second_order_context
@@ -90,7 +91,7 @@ class MetaLearner:
     is refused (``ValueError``), as are ``inner_opt`` and random ops (``randomness`` other
     than ``"error"``), which the recompute cannot reproduce.
 
-    ``compile_regions=True`` (MAML, first-order MAML, ANIL, Meta-SGD) cuts the compile time of
+    ``compile_regions=True`` (first-order MAML) cuts the compile time of
     a compiled :meth:`meta_grad` or meta train step: one inner step of the task chunk is a
     :func:`torch.compiler.nested_compile_region`, traced, differentiated and built once and
     called ``inner_steps`` times, instead of ``inner_steps`` unrolled copies in the graph; the
@@ -100,7 +101,10 @@ class MetaLearner:
     (a pure function of ``(params, buffers, x)``): torch 2.13 cannot trace the module-slot
     swap of :func:`torchfn.functional.make_functional`'s ``model_fn`` inside a region, so
     that combination is refused (``ValueError``). Same numbers as the unrolled graph; eager
-    calls ignore it.
+    calls ignore it. In torch 2.13 second order through the region is refused (``ValueError``):
+    exact under ``backend="aot_eager"``, but Inductor miscompiles it for conv nets once the
+    region runs twice (``benchmarks/results/meta-compile-time-cpu.md``), so only first-order
+    MAML takes ``compile_regions=True``.
 
     Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
@@ -129,7 +133,7 @@ class MetaLearner:
     ) -> None:
         _check_randomness(randomness, "MetaLearner(randomness=...)")
         _check_compile_regions(compile_regions, model_fn, reptile=reptile, remat=remat,
-                               randomness=randomness)
+                               randomness=randomness, first_order=first_order)
         _check_remat(remat, inner_opt=inner_opt, first_order=first_order, reptile=reptile,
                      randomness=randomness)
         if not isinstance(inner_steps, int) or inner_steps < 1:
@@ -489,7 +493,7 @@ def _check_remat(remat: Any, *, inner_opt: Any, first_order: bool, reptile: bool
 
 
 def _check_compile_regions(compile_regions: Any, model_fn: Any, *, reptile: bool, remat: bool,
-                           randomness: str) -> None:
+                           randomness: str, first_order: bool) -> None:
     if not isinstance(compile_regions, bool):
         raise ValueError(f"MetaLearner(compile_regions=...): expected a bool, got "
                          f"{compile_regions!r}")
@@ -501,6 +505,14 @@ def _check_compile_regions(compile_regions: Any, model_fn: Any, *, reptile: bool
             f"MetaLearner(compile_regions=True, {kind}): the compile region path is the "
             "differentiated unrolled inner loop of MAML, first-order MAML, ANIL and Meta-SGD; "
             f"drop compile_regions or {kind}"
+        )
+    if not first_order and not _regions.SECOND_ORDER_REGIONS:
+        raise ValueError(
+            "MetaLearner(compile_regions=True) for a second-order learner (MAML, ANIL, "
+            "Meta-SGD): torch 2.13's Inductor miscompiles the second-order backward through a "
+            "nested compile region on conv nets (meta-gradient off by ~1e4 from eager at "
+            "inner_steps >= 2; exact with backend='aot_eager'), so only first-order MAML "
+            "(fomaml) takes compile_regions=True; use compile_regions=False"
         )
     if randomness != "error":
         raise ValueError(
@@ -575,7 +587,9 @@ def maml(
             ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
             and a side-effect-free ``model_fn`` (``ValueError`` for
             :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
-            cannot trace that inside a region). Eager calls are unchanged. Default off.
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_steps=5)
@@ -625,7 +639,9 @@ def fomaml(
             ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
             and a side-effect-free ``model_fn`` (``ValueError`` for
             :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
-            cannot trace that inside a region). Eager calls are unchanged. Default off.
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> fomaml(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
@@ -683,7 +699,9 @@ def anil(
             ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
             and a side-effect-free ``model_fn`` (``ValueError`` for
             :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
-            cannot trace that inside a region). Eager calls are unchanged. Default off.
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> anil(lambda p, b, x: (x @ p["w"], b), F.mse_loss, head=lambda n: n.startswith("3."))
@@ -745,7 +763,9 @@ def meta_sgd(
             ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
             and a side-effect-free ``model_fn`` (``ValueError`` for
             :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
-            cannot trace that inside a region). Eager calls are unchanged. Default off.
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> meta_sgd(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
