@@ -13,6 +13,7 @@ still announced and timed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -34,6 +35,17 @@ def _callback_handler() -> Any:
     handler = getattr(dynamo, "callback_handler", None)
     needed = ("register_start_callback", "remove_start_callback")
     return handler if all(hasattr(handler, n) for n in needed) else None
+
+
+def _trace_autograd_ops() -> Any:
+    """Return a context in which Dynamo traces ``torch.autograd.grad`` into the graph instead of
+    refusing it (``torch._dynamo.config.trace_autograd_ops``, off by default in torch 2.13; a
+    null context where this torch has no such switch). The compiled meta-gradient of
+    ``MetaLearner(compile_regions=True)`` needs it; other steps never call autograd.grad."""
+    config = torch._dynamo.config
+    if not hasattr(config, "trace_autograd_ops"):
+        return contextlib.nullcontext()
+    return config.patch(trace_autograd_ops=True)
 
 
 class CompiledStep:
@@ -78,7 +90,8 @@ class CompiledStep:
             if self._calls == 1:
                 self._announce()
                 started.append(time.perf_counter())
-            return self._timed(self.compiled(*args, **kwargs), started)
+            with _trace_autograd_ops():
+                return self._timed(self.compiled(*args, **kwargs), started)
         caller = threading.get_ident()
 
         def on_start(_: Any) -> None:
@@ -88,7 +101,8 @@ class CompiledStep:
 
         handler.register_start_callback(on_start)
         try:
-            out = self.compiled(*args, **kwargs)
+            with _trace_autograd_ops():
+                out = self.compiled(*args, **kwargs)
         finally:
             handler.remove_start_callback(on_start)
         return self._timed(out, started)

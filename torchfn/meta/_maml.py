@@ -37,6 +37,9 @@ from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _check_randomness, _part
+from torchfn.functional import FunctionalModel
+from torchfn.meta import _regions
+from torchfn.meta._regions import make_region_step, region_chunk_grad, regions_available
 from torchfn.meta._remat import remat_task_grad
 from torchfn.meta._second_order import may_use_layer_norm, second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
@@ -88,6 +91,21 @@ class MetaLearner:
     is refused (``ValueError``), as are ``inner_opt`` and random ops (``randomness`` other
     than ``"error"``), which the recompute cannot reproduce.
 
+    ``compile_regions=True`` (first-order MAML) cuts the compile time of
+    a compiled :meth:`meta_grad` or meta train step: one inner step of the task chunk is a
+    :func:`torch.compiler.nested_compile_region`, traced, differentiated and built once and
+    called ``inner_steps`` times, instead of ``inner_steps`` unrolled copies in the graph; the
+    outer gradient is ``torch.autograd.grad`` traced into the graph. It needs Dynamo's
+    ``torch._dynamo.config.trace_autograd_ops = True`` (:func:`torchfn.compile.compile_step`
+    sets it for its calls; ``RuntimeError`` otherwise) and a side-effect-free ``model_fn``
+    (a pure function of ``(params, buffers, x)``): torch 2.13 cannot trace the module-slot
+    swap of :func:`torchfn.functional.make_functional`'s ``model_fn`` inside a region, so
+    that combination is refused (``ValueError``). Same numbers as the unrolled graph; eager
+    calls ignore it. In torch 2.13 second order through the region is refused (``ValueError``):
+    exact under ``backend="aot_eager"``, but Inductor miscompiles it for conv nets once the
+    region runs twice (``benchmarks/results/meta-compile-time-cpu.md``), so only first-order
+    MAML takes ``compile_regions=True``.
+
     Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
     instead of grouped cuDNN convolutions), which makes the 4-block few-shot conv net's
@@ -111,8 +129,11 @@ class MetaLearner:
         chunk_size: int | None = None,
         randomness: str = "error",
         remat: bool = False,
+        compile_regions: bool = False,
     ) -> None:
         _check_randomness(randomness, "MetaLearner(randomness=...)")
+        _check_compile_regions(compile_regions, model_fn, reptile=reptile, remat=remat,
+                               randomness=randomness, first_order=first_order)
         _check_remat(remat, inner_opt=inner_opt, first_order=first_order, reptile=reptile,
                      randomness=randomness)
         if not isinstance(inner_steps, int) or inner_steps < 1:
@@ -147,12 +168,18 @@ class MetaLearner:
         self.chunk_size = chunk_size
         self.randomness = randomness
         self.remat = remat
+        self.compile_regions = compile_regions
+        self._region_step = torch.compiler.nested_compile_region(make_region_step(
+            model_fn, loss_fn, inner_opt, model_names=self._model_names,
+            first_order=self.first_order, lr_prefix=LR_PREFIX if learn_inner_lr else None,
+            randomness=randomness))
 
     def __repr__(self) -> str:
         kind = ("reptile" if self.reptile else "meta_sgd" if self.learn_inner_lr
                 else "fomaml" if self.first_order else "maml")
         extra = "" if self.randomness == "error" else f", randomness={self.randomness!r}"
         extra += ", remat=True" if self.remat else ""
+        extra += ", compile_regions=True" if self.compile_regions else ""
         return (f"MetaLearner({kind}, inner_steps={self.inner_steps}, "
                 f"chunk_size={self.chunk_size}, adapt_filter={self.adapt_filter is not None}"
                 f"{extra})")
@@ -360,7 +387,10 @@ class MetaLearner:
         loss_sum: Tensor | None = None
         bufs = []
         for chunk in self._chunks(tasks):
-            if self.remat:
+            if self._use_regions(meta_params):
+                g, lsum, buf_t = region_chunk_grad(self, meta_params, buffers, chunk, names,
+                                                   loss_scale)
+            elif self.remat:
                 g, lsum, buf_t = self._remat_chunk_grad(meta_params, buffers, chunk, names,
                                                          loss_scale)
             elif self.reptile:
@@ -392,6 +422,28 @@ class MetaLearner:
         grads = {k: total[k] / n if k in total else torch.zeros_like(meta_params[k])
                  for k in names}
         return grads, loss_sum / n, _mean_buffers(bufs, buffers)
+
+    def _use_regions(self, meta_params: Mapping[str, Tensor]) -> bool:
+        """Whether this meta_grad runs the inner step as a nested compile region (compiling
+        with ``compile_regions=True``); raise where that cannot give the right numbers."""
+        if not (self.compile_regions and torch.compiler.is_compiling()):
+            return False
+        if not regions_available():
+            raise RuntimeError(
+                "MetaLearner(compile_regions=True).meta_grad under torch.compile: the outer "
+                "gradient is torch.autograd.grad traced into the graph, which Dynamo refuses "
+                "with torch._dynamo.config.trace_autograd_ops=False; set "
+                "torch._dynamo.config.trace_autograd_ops = True before compiling (or compile "
+                "through torchfn.compile.compile_step, which does), or use compile_regions=False"
+            )
+        if any(v.requires_grad for v in meta_params.values()):
+            raise ValueError(
+                "MetaLearner(compile_regions=True).meta_grad under torch.compile: meta_params "
+                "require grad, but the region path differentiates detached copies of them and "
+                "would cut an outer autograd graph; pass detached meta_params or use "
+                "compile_regions=False"
+            )
+        return True
 
     def _remat_chunk_grad(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], chunk: Task,
@@ -440,6 +492,43 @@ def _check_remat(remat: Any, *, inner_opt: Any, first_order: bool, reptile: bool
         )
 
 
+def _check_compile_regions(compile_regions: Any, model_fn: Any, *, reptile: bool, remat: bool,
+                           randomness: str, first_order: bool) -> None:
+    if not isinstance(compile_regions, bool):
+        raise ValueError(f"MetaLearner(compile_regions=...): expected a bool, got "
+                         f"{compile_regions!r}")
+    if not compile_regions:
+        return
+    if reptile or remat:
+        kind = "reptile=True" if reptile else "remat=True"
+        raise ValueError(
+            f"MetaLearner(compile_regions=True, {kind}): the compile region path is the "
+            "differentiated unrolled inner loop of MAML, first-order MAML, ANIL and Meta-SGD; "
+            f"drop compile_regions or {kind}"
+        )
+    if not first_order and not _regions.SECOND_ORDER_REGIONS:
+        raise ValueError(
+            "MetaLearner(compile_regions=True) for a second-order learner (MAML, ANIL, "
+            "Meta-SGD): torch 2.13's Inductor miscompiles the second-order backward through a "
+            "nested compile region on conv nets (meta-gradient off by ~1e4 from eager at "
+            "inner_steps >= 2; exact with backend='aot_eager'), so only first-order MAML "
+            "(fomaml) takes compile_regions=True; use compile_regions=False"
+        )
+    if randomness != "error":
+        raise ValueError(
+            f"MetaLearner(compile_regions=True, randomness={randomness!r}): random ops inside "
+            "a nested compile region are not supported; use compile_regions=False"
+        )
+    if isinstance(model_fn, FunctionalModel):
+        raise ValueError(
+            "MetaLearner(compile_regions=True) with a make_functional model_fn: its call swaps "
+            "the module's parameter slots, a side effect that torch 2.13's Dynamo cannot trace "
+            "inside a nested compile region (AssertionError: Expected FakeTensor, got <class "
+            "'torch.Tensor'>); write model_fn as a pure function of (params, buffers, x) "
+            "(torch.nn.functional ops), or use compile_regions=False"
+        )
+
+
 def _mean_buffers(chunks: list[Mapping[str, Tensor]], buffers: Mapping[str, Tensor]) -> TensorDict:
     out = {}
     for k, b in buffers.items():
@@ -462,6 +551,7 @@ def maml(
     chunk_size: int | None = None,
     randomness: str = "error",
     remat: bool = False,
+    compile_regions: bool = False,
 ) -> MetaLearner:
     """Return a second-order MAML :class:`MetaLearner` (differentiates through the inner loop).
 
@@ -490,6 +580,16 @@ def maml(
             ``remat=False``. Needs the default SGD inner step (``inner_opt`` and a
             ``randomness`` other than ``"error"`` raise ``ValueError``).
 
+        compile_regions: under ``torch.compile``, trace and compile one inner step once and
+            call it ``inner_steps`` times (a :func:`torch.compiler.nested_compile_region`),
+            so compile time does not grow with ``inner_steps``; the outer gradient is then
+            ``torch.autograd.grad`` traced into the graph, which needs
+            ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
+            and a side-effect-free ``model_fn`` (``ValueError`` for
+            :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> maml(lambda p, b, x: (x @ p["w"], b), F.mse_loss, inner_steps=5)
@@ -497,7 +597,8 @@ def maml(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       randomness=randomness, remat=remat)
+                       randomness=randomness, remat=remat,
+                       compile_regions=compile_regions)
 
 
 def fomaml(
@@ -510,6 +611,7 @@ def fomaml(
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
     randomness: str = "error",
+    compile_regions: bool = False,
 ) -> MetaLearner:
     """Return a first-order MAML :class:`MetaLearner` (inner gradients detached).
 
@@ -530,6 +632,16 @@ def fomaml(
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
 
+        compile_regions: under ``torch.compile``, trace and compile one inner step once and
+            call it ``inner_steps`` times (a :func:`torch.compiler.nested_compile_region`),
+            so compile time does not grow with ``inner_steps``; the outer gradient is then
+            ``torch.autograd.grad`` traced into the graph, which needs
+            ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
+            and a side-effect-free ``model_fn`` (``ValueError`` for
+            :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> fomaml(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
@@ -537,7 +649,8 @@ def fomaml(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       first_order=True, randomness=randomness)
+                       first_order=True, randomness=randomness,
+                       compile_regions=compile_regions)
 
 
 def anil(
@@ -551,6 +664,7 @@ def anil(
     chunk_size: int | None = None,
     randomness: str = "error",
     remat: bool = False,
+    compile_regions: bool = False,
 ) -> MetaLearner:
     """Return an ANIL :class:`MetaLearner`: MAML adapting only the params ``head(name)`` keeps.
 
@@ -578,6 +692,16 @@ def anil(
             ``remat=False``. Needs the default SGD inner step (``inner_opt`` and a
             ``randomness`` other than ``"error"`` raise ``ValueError``).
 
+        compile_regions: under ``torch.compile``, trace and compile one inner step once and
+            call it ``inner_steps`` times (a :func:`torch.compiler.nested_compile_region`),
+            so compile time does not grow with ``inner_steps``; the outer gradient is then
+            ``torch.autograd.grad`` traced into the graph, which needs
+            ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
+            and a side-effect-free ``model_fn`` (``ValueError`` for
+            :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> anil(lambda p, b, x: (x @ p["w"], b), F.mse_loss, head=lambda n: n.startswith("3."))
@@ -585,7 +709,8 @@ def anil(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=head, chunk_size=chunk_size,
-                       randomness=randomness, remat=remat)
+                       randomness=randomness, remat=remat,
+                       compile_regions=compile_regions)
 
 
 def meta_sgd(
@@ -599,6 +724,7 @@ def meta_sgd(
     chunk_size: int | None = None,
     randomness: str = "error",
     remat: bool = False,
+    compile_regions: bool = False,
 ) -> MetaLearner:
     """Return a Meta-SGD :class:`MetaLearner`: per-parameter inner rates are meta-params.
 
@@ -630,6 +756,16 @@ def meta_sgd(
             ``remat=False``. Needs the default SGD inner step (``inner_opt`` and a
             ``randomness`` other than ``"error"`` raise ``ValueError``).
 
+        compile_regions: under ``torch.compile``, trace and compile one inner step once and
+            call it ``inner_steps`` times (a :func:`torch.compiler.nested_compile_region`),
+            so compile time does not grow with ``inner_steps``; the outer gradient is then
+            ``torch.autograd.grad`` traced into the graph, which needs
+            ``torch._dynamo.config.trace_autograd_ops = True`` (``RuntimeError`` otherwise)
+            and a side-effect-free ``model_fn`` (``ValueError`` for
+            :func:`torchfn.functional.make_functional`'s, which swaps module slots: torch 2.13
+            cannot trace that inside a region). Eager calls are unchanged. Default off. In
+            torch 2.13 only first-order MAML takes it (second order: ``ValueError``; Inductor
+            miscompiles the second-order backward through the region on conv nets).
     Example:
         >>> import torch.nn.functional as F
         >>> meta_sgd(lambda p, b, x: (x @ p["w"], b), F.mse_loss)
@@ -637,7 +773,8 @@ def meta_sgd(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       learn_inner_lr=True, randomness=randomness, remat=remat)
+                       learn_inner_lr=True, randomness=randomness, remat=remat,
+                       compile_regions=compile_regions)
 
 
 def reptile(
