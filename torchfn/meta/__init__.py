@@ -1,6 +1,8 @@
-"""Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile; tasks batched with vmap."""
+"""Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile, iMAML; tasks batched with vmap."""
 
 from torchfn._checks import _moved_getattr
+from torchfn.meta._imaml import ImplicitMetaLearner as ImplicitMetaLearner
+from torchfn.meta._imaml import imaml as imaml
 from torchfn.meta._maml import LR_PREFIX as LR_PREFIX
 from torchfn.meta._maml import MetaLearner as MetaLearner
 from torchfn.meta._maml import anil as anil
@@ -16,10 +18,12 @@ from torchfn.meta._tasks import stack_episodes as stack_episodes
 
 __all__ = [
     "LR_PREFIX",
+    "ImplicitMetaLearner",
     "MetaLearner",
     "Task",
     "anil",
     "fomaml",
+    "imaml",
     "init_meta_state",
     "make_meta_train_step",
     "maml",
