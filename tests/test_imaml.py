@@ -292,6 +292,32 @@ def test_inner_loop_keeps_no_autograd_graph():
     assert (w - 0.05 * (w - theta["0.weight"].detach())).grad_fn is not None
 
 
+# -- dropout: randomness= ---------------------------------------------------------------------
+
+
+def test_dropout_needs_randomness_and_same_masks_repeat_across_copies():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1)).to(DT)
+    model_fn, params, buffers = make_functional(net)
+    tasks = _tasks(1)
+    copies = Task(*(f.expand(6, *f.shape[1:]) for f in tasks))
+    kw = {"lam": 2.0, "inner_lr": 0.05, "inner_steps": 3, "cg_steps": 4}
+    with pytest.raises(RuntimeError, match=r"ImplicitMetaLearner\.meta_grad\(meta_params, "
+                       r"buffers, tasks\): the model draws random numbers .*randomness="):
+        imaml(model_fn, F.mse_loss, **kw).meta_grad(params, buffers, tasks)
+    out = {}
+    for mode, t in (("same", copies), ("different", copies), ("single", tasks)):
+        torch.manual_seed(5)
+        learner = imaml(model_fn, F.mse_loss, randomness="same" if mode == "single" else mode,
+                        **kw)
+        out[mode] = learner.meta_grad(params, buffers, t)
+    for k in params:
+        torch.testing.assert_close(out["same"][0][k], out["single"][0][k], rtol=1e-12,
+                                   atol=1e-14, msg=k)
+        assert torch.isfinite(out["different"][0][k]).all()
+    assert not torch.allclose(out["different"][1], out["single"][1])  # copies drew own masks
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 
