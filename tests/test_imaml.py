@@ -65,7 +65,8 @@ def _exact_implicit_grad(loss_s, loss_q, theta: dict, lam: float, phi0: torch.Te
     return torch.linalg.solve(a, grad(loss_q)(phi)), phi
 
 
-def test_linear_regression_meta_grad_equals_closed_form_implicit_gradient():
+@pytest.mark.parametrize("damping", [0.0, 0.7])
+def test_linear_regression_meta_grad_equals_closed_form_implicit_gradient(damping):
     gen = torch.Generator().manual_seed(0)
     n_tasks, k, d, lam = 3, 8, 3, 1.5
     xs = torch.randn(n_tasks, 2 * k, d, generator=gen, dtype=DT)
@@ -88,13 +89,21 @@ def test_linear_regression_meta_grad_equals_closed_form_implicit_gradient():
         h = hessian(ls)(torch.zeros(d + 1, dtype=DT))
         eye = torch.eye(d + 1, dtype=DT)
         phi = torch.linalg.solve(h + lam * eye, lam * _flat(theta) - grad(ls)(0 * _flat(theta)))
-        want.append(torch.linalg.solve(eye + h / lam, grad(lq)(phi)))
+        want.append(torch.linalg.solve((1 + damping) * eye + h / lam, grad(lq)(phi)))
         losses.append(lq(phi))
     want_g = _unflat(torch.stack(want).mean(0), theta)
-    learner = imaml(model_fn, F.mse_loss, lam=lam, inner_lr=0.1, inner_steps=600, cg_steps=8)
+    learner = imaml(model_fn, F.mse_loss, lam=lam, inner_lr=0.1, inner_steps=600, cg_steps=8,
+                    cg_damping=damping)
     got, loss, _ = learner.meta_grad(theta, {}, tasks)
     assert _rel(got, want_g) < 1e-9, (got, want_g)
     torch.testing.assert_close(loss, torch.stack(losses).mean(), rtol=1e-10, atol=0)
+    # dict inputs (a Hugging Face style batch): the model gets them as keywords
+    dict_tasks = Task({"inputs": tasks.support_x}, tasks.support_y, {"inputs": tasks.query_x},
+                      tasks.query_y)
+    learner = imaml(lambda p, b, inputs: model_fn(p, b, inputs), F.mse_loss, lam=lam,
+                    inner_lr=0.1, inner_steps=600, cg_steps=8, cg_damping=damping)
+    for k, v in learner.meta_grad(theta, {}, dict_tasks)[0].items():
+        torch.testing.assert_close(v, got[k], rtol=1e-12, atol=0, msg=k)
 
 
 def test_mlp_meta_grad_equals_exact_implicit_gradient():
