@@ -21,4 +21,4 @@ def test_imaml_example_smoke(tmp_path: Path):
     rows = {r["learner"]: r for r in json.loads((tmp_path / "imaml_sinusoid.json").read_text())["rows"]}
     assert sorted(rows) == ["MAML", "iMAML"]
     (adapted, ci), (init, _) = rows["iMAML"]["adapted"], rows["iMAML"]["init"]
-    assert ci > 0 and adapted < 0.97 * init, rows["iMAML"]  # seen: 3.61 vs 3.90
+    assert ci > 0 and adapted < 0.9 * init, rows["iMAML"]  # seen: 3.00 vs 3.72
