@@ -1,7 +1,9 @@
-"""Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile, MAML++, ProtoNets and
-matching nets; tasks batched with vmap."""
+"""Meta-learning: MAML, first-order MAML, ANIL, Meta-SGD, Reptile, MAML++, iMAML, ProtoNets
+and matching nets; tasks batched with vmap."""
 
 from torchfn._checks import _moved_getattr
+from torchfn.meta._imaml import ImplicitMetaLearner as ImplicitMetaLearner
+from torchfn.meta._imaml import imaml as imaml
 from torchfn.meta._maml import LR_PREFIX as LR_PREFIX
 from torchfn.meta._maml import MetaLearner as MetaLearner
 from torchfn.meta._maml import anil as anil
@@ -28,6 +30,7 @@ __all__ = [
     "LR_PREFIX",
     "LSLR_PREFIX",
     "STEP_KEY",
+    "ImplicitMetaLearner",
     "MamlPlusPlus",
     "MetaLearner",
     "MetricLearner",
@@ -35,6 +38,7 @@ __all__ = [
     "anil",
     "batchnorm_names",
     "fomaml",
+    "imaml",
     "init_meta_state",
     "make_meta_train_step",
     "maml",
