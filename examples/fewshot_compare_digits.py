@@ -57,13 +57,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 
-import torchfn.meta
 from torchfn.data import EpisodicBatchSampler
 from torchfn.functional import make_functional
 from torchfn.meta import (
     MetricLearner,
     Task,
     batchnorm_names,
+    imaml,
     init_meta_state,
     make_meta_train_step,
     maml,
@@ -118,7 +118,7 @@ def accuracy(learner, params: dict[str, Tensor], buffers: dict[str, Tensor],
     def one(task: Task) -> Tensor:
         if isinstance(learner, MetricLearner):
             logits, _ = learner.logits(params, {}, task)
-        else:  # MAML and MAML++: adapt on the support set (adapt drops MAML++'s step counter)
+        else:  # MAML, MAML++, iMAML: adapt on the support set (MAML++: no step counter)
             fast, bufs = learner.adapt(params, buffers, task.support_x, task.support_y)
             logits, _ = learner.model_fn(fast, bufs, task.query_x)
         return (logits.argmax(-1) == task.query_y).double().mean()
@@ -148,11 +148,10 @@ def learners(args: argparse.Namespace) -> dict[str, tuple]:
         "ProtoNet": (protonet(embed_fn, n_way=N_WAY), e_params, e_buffers),
         "matching net": (matching_net(embed_fn, n_way=N_WAY, scale=10.0), e_params, e_buffers),
     }
-    # --- iMAML (issue 20): add a row here once torchfn.meta exports `imaml`, e.g.
-    #     out["iMAML"] = (torchfn.meta.imaml(model_fn, F.cross_entropy, ...), params, buffers)
-    #     (its signature is not settled yet; until then this row is left out) ---
-    if hasattr(torchfn.meta, "imaml"):
-        print("note: torchfn.meta exports imaml; add its row in learners() (marked place)")
+    # iMAML: the proximal inner problem solved by twice MAML's inner steps (adapt runs the same
+    # loop at test time), the implicit meta-gradient by 5 CG steps
+    out["iMAML"] = (imaml(model_fn, F.cross_entropy, lam=2.0, inner_lr=args.inner_lr,
+                          inner_steps=2 * args.inner_steps, cg_steps=5), params, buffers)
     return out
 
 

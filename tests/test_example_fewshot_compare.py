@@ -20,7 +20,7 @@ def test_fewshot_compare_example_smoke(tmp_path: Path):
     res = json.loads((tmp_path / "results.json").read_text())
     assert list(res["results"]) == ["1", "5"]
     for shot, rows in res["results"].items():
-        assert list(rows) == ["MAML", "MAML++", "ProtoNet", "matching net"], shot
+        assert list(rows) == ["MAML", "MAML++", "ProtoNet", "matching net", "iMAML"], shot
         for name, r in rows.items():
             # separable blobs: every learner is well above 5-way chance (0.2)
             assert 0.3 < r["acc"] <= 1.0 and 0 < r["ci95"] < 0.2, (shot, name, r)
