@@ -106,7 +106,7 @@ def test_pld_state_round_trip():
     assert resumed.history == acct.history
     assert resumed.value_discretization_interval == 2e-4
     assert resumed.get_epsilon(1e-5) == acct.get_epsilon(1e-5)
-    with pytest.raises(ValueError, match="an RDPAccountant state loads only into an RDPAccountant"):
+    with pytest.raises(ValueError, match=r"only a PLDAccountant\.state_dict\(\) loads here"):
         resumed.load_state_dict(RDPAccountant().state_dict())
     with pytest.raises(ValueError, match=r"missing keys \['history'\]"):
         resumed.load_state_dict({k: v for k, v in state.items() if k != "history"})

@@ -164,7 +164,7 @@ def test_prv_state_round_trip():
     assert resumed.history == acct.history
     assert (resumed.eps_error, resumed.delta_error) == (0.02, 1e-9)
     assert resumed.get_epsilon_bounds(1e-5) == acct.get_epsilon_bounds(1e-5)
-    with pytest.raises(ValueError, match="a PRV accountant loads only a PRVAccountant state"):
+    with pytest.raises(ValueError, match=r"only a PRVAccountant\.state_dict\(\) loads here"):
         resumed.load_state_dict(RDPAccountant().state_dict())
     with pytest.raises(ValueError, match=r"missing keys \['history'\]"):
         resumed.load_state_dict({k: v for k, v in state.items() if k != "history"})
@@ -177,7 +177,7 @@ def test_prv_state_round_trip():
     assert resumed.history == acct.history  # failed loads changed nothing
     assert resumed.eps_error == 0.02
     # an RDP accountant refuses a PRV state
-    with pytest.raises(ValueError, match=r"RDPAccountant.load_state_dict: state is missing keys"):
+    with pytest.raises(ValueError, match=r"RDPAccountant.load_state_dict: expected format=.*only a RDPAccountant"):
         RDPAccountant().load_state_dict(state)
 
 

@@ -542,6 +542,23 @@ def _record_steps(history: list[tuple[float, float, int]], noise_multiplier: flo
         history.append((sigma, q, steps))
 
 
+def _check_state(state: Any, where: str, fmt: str, version: int, keys: set[str],
+                 owner: str) -> Mapping[str, Any]:
+    """Return ``state`` after checking it is a ``state_dict()`` of ``owner`` (a dict with
+    ``format`` ``fmt``, ``version`` and the accountant's ``keys``); errors name ``where``."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{where}: expected a dict from state_dict(); got {type(state).__name__}")
+    if state.get("format") != fmt or state.get("version") != version:
+        raise ValueError(
+            f"{where}: expected format={fmt!r} version={version}; got "
+            f"format={state.get('format')!r} version={state.get('version')!r} (only a "
+            f"{owner}.state_dict() loads here)")
+    missing = set(keys) - set(state)
+    if missing:
+        raise ValueError(f"{where}: state is missing keys {sorted(missing)}")
+    return state
+
+
 def _check_history(entries: Any, where: str) -> list[tuple[float, float, int]]:
     """Return a saved history (``[[sigma, q, steps], ...]``) checked entry by entry."""
     history: list[tuple[float, float, int]] = []
@@ -652,18 +669,8 @@ class RDPAccountant:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace this accountant's orders, conversion and history with ``state`` (mutates)."""
         where = "RDPAccountant.load_state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"{where}: expected a dict from state_dict(); got {type(state).__name__}"
-            )
-        missing = {"format", "version", "orders", "conversion", "history"} - set(state)
-        if missing:
-            raise ValueError(f"{where}: state is missing keys {sorted(missing)}")
-        if state["format"] != _STATE_FORMAT or state["version"] != _STATE_VERSION:
-            raise ValueError(
-                f"{where}: expected format={_STATE_FORMAT!r} version={_STATE_VERSION}; got "
-                f"format={state['format']!r} version={state['version']!r}"
-            )
+        state = _check_state(state, where, _STATE_FORMAT, _STATE_VERSION,
+                             {"orders", "conversion", "history"}, "RDPAccountant")
         orders = _check_orders(state["orders"], where)
         conversion = _check_conversion(state["conversion"], where)
         history = _check_history(state["history"], where)

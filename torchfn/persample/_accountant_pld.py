@@ -24,6 +24,7 @@ from torchfn.persample._accountant import (
     _check_history,
     _check_noise,
     _check_sample_rate,
+    _check_state,
     _check_steps,
     _record_steps,
 )
@@ -202,19 +203,8 @@ class PLDAccountant:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace this accountant's interval and history with ``state`` (mutates)."""
         where = "PLDAccountant.load_state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"{where}: expected a dict from state_dict(); got {type(state).__name__}"
-            )
-        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"{where}: expected format={_STATE_FORMAT!r} version={_STATE_VERSION}; got "
-                f"format={state.get('format')!r} version={state.get('version')!r} (an "
-                "RDPAccountant state loads only into an RDPAccountant)"
-            )
-        missing = {"value_discretization_interval", "history"} - set(state)
-        if missing:
-            raise ValueError(f"{where}: state is missing keys {sorted(missing)}")
+        state = _check_state(state, where, _STATE_FORMAT, _STATE_VERSION, {"value_discretization_interval", "history"},
+                             "PLDAccountant")
         interval = _check_interval(state["value_discretization_interval"], where)
         history = _check_history(state["history"], where)
         self._interval, self._history, self._cache = interval, history, {}

@@ -87,6 +87,7 @@ from torchfn.persample._accountant import (
     _check_history,
     _check_noise,
     _check_sample_rate,
+    _check_state,
     _check_steps,
     _record_steps,
 )
@@ -530,19 +531,8 @@ class PRVAccountant:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace this accountant's error parameters and history with ``state`` (mutates)."""
         where = "PRVAccountant.load_state_dict"
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"{where}: expected a dict from state_dict(); got {type(state).__name__}"
-            )
-        if state.get("format") != _STATE_FORMAT or state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"{where}: expected format={_STATE_FORMAT!r} version={_STATE_VERSION}; got "
-                f"format={state.get('format')!r} version={state.get('version')!r} (a PRV "
-                "accountant loads only a PRVAccountant state)"
-            )
-        missing = {"eps_error", "delta_error", "history"} - set(state)
-        if missing:
-            raise ValueError(f"{where}: state is missing keys {sorted(missing)}")
+        state = _check_state(state, where, _STATE_FORMAT, _STATE_VERSION, {"eps_error", "delta_error", "history"},
+                             "PRVAccountant")
         eps_error = _check_eps_error(state["eps_error"], where)
         delta_error = _check_delta_error(state["delta_error"], where)
         history = _check_history(state["history"], where)
