@@ -290,6 +290,10 @@ def test_tar_corruption_errors_name_file_and_member(tmp_path):
     with pytest.raises(TarError, match=r"cannot read .*empty\.tar' as an uncompressed tar"):
         (tmp_path / "empty.tar").write_bytes(b"")
         TarSource(tmp_path / "empty.tar")
+    with tarfile.open(tmp_path / "z.tar.gz", "w:gz") as tf:
+        tf.add(good, arcname="x.txt")
+    with pytest.raises(TarError, match=r"z\.tar\.gz' is gzip-compressed; random access needs"):
+        TarSource(tmp_path / "z.tar.gz")
     with pytest.raises(FileNotFoundError, match=r"no \.tar files match"):
         TarSource(str(tmp_path / "nothing-*.tar"))
 

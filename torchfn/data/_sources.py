@@ -314,6 +314,10 @@ def decode_member(ext: str, data: bytes) -> Any:
     return data
 
 
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"),
+               (b"\x28\xb5\x2f\xfd", "zstd"))
+
+
 class TarError(RuntimeError):
     """A tar shard is truncated or corrupt, or one of its members cannot be decoded."""
 
@@ -413,6 +417,14 @@ class TarSource:
     @staticmethod
     def _index(path: str) -> dict[str, dict[str, tuple[str, int, int]]]:
         size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(10)
+        for magic, kind in _COMPRESSED:
+            if head.startswith(magic) and (kind != "bzip2" or head[4:] == b"1AY&SY"):
+                raise TarError(
+                    f"TarSource: {path!r} is {kind}-compressed; random access needs an "
+                    f"uncompressed tar (decompress it once, e.g. with the {kind} tool)"
+                )
         groups: dict[str, dict[str, tuple[str, int, int]]] = {}
         last = None
         end = 0
