@@ -4,6 +4,8 @@ by StreamingDataset: exactly once over ranks x workers, resume == uninterrupted,
 from __future__ import annotations
 
 import io
+import json
+import sys
 import tarfile
 
 import numpy as np
@@ -14,7 +16,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from torchfn.data import (
+    HFDiskSource,
     NumpySource,
+    ParquetSource,
     SampleSource,
     ShardSource,
     ShardWriter,
@@ -340,3 +344,69 @@ def test_dataset_errors_for_sources(npy_dir):
         StreamingDataset(_numpy(npy_dir), batch_size=2, on_corrupt="skip")
     with pytest.raises(ValueError, match=r"verify: checksums are the \.tfs shards'"):
         StreamingDataset(_numpy(npy_dir), batch_size=2).verify()
+
+
+# ------------------------------------------------------------------------- Arrow (pyarrow)
+@pytest.mark.parametrize("cls", [ParquetSource, HFDiskSource])
+def test_arrow_sources_without_pyarrow_say_so(cls, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    with pytest.raises(ImportError, match=rf"{cls.__name__} needs pyarrow, which is not "
+                       r"installed: pip install pyarrow"):
+        cls(tmp_path)
+
+
+def _arrow_table(pa, start, count):
+    ids = list(range(start, start + count))
+    return pa.table({"x": [[float(i)] * 3 for i in ids], "label": [i % 3 for i in ids],
+                     "name": [f"s{i}" for i in ids]})
+
+
+def _check_arrow_source(src):
+    assert len(src) == N and src.labels.tolist() == [i % 3 for i in range(N)]
+    b = src.read([30, 2, 17])
+    assert b["x"].tolist() == [[30.0] * 3, [2.0] * 3, [17.0] * 3] and b["name"] == ["s30", "s2",
+                                                                                       "s17"]
+    real = []
+    for rank in range(2):
+        ds = StreamingDataset(src, batch_size=4, seed=3, meta=True, world_size=2, rank=rank,
+                              policy="pad")
+        batches = list(StreamingLoader(ds, num_workers=2))
+        _check_contents(batches, "x")
+        assert _ids(batches) == _rank_stream(ds)
+        real += [int(i) for b in batches for i, p in zip(b["id"], b["padded"], strict=True)
+                 if not p]
+    assert sorted(real) == list(range(N))
+    full, _ = _resume_run(src, [(100, 2, 7)])
+    assert _resume_run(src, [(1, 2, 3), (2, 0, 5), (100, 1, 4)])[0] == full
+
+
+def test_parquet_source(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(_arrow_table(pa, 0, 20), tmp_path / "a.parquet", row_group_size=8)
+    pq.write_table(_arrow_table(pa, 20, N - 20), tmp_path / "b.parquet", row_group_size=8)
+    src = ParquetSource(tmp_path, label_column="label")
+    assert src.shard_sizes == [8, 8, 4, 8, 8, 1] and src.columns == ["x", "name"]
+    _check_arrow_source(src)
+    with pytest.raises(ValueError, match=r"label_column='y'\): no such column"):
+        ParquetSource(tmp_path, label_column="y")
+
+
+def test_hf_disk_source(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.ipc
+
+    files = []  # the layout of datasets' Dataset.save_to_disk: state.json + Arrow streams
+    for k, (start, count) in enumerate([(0, 25), (25, N - 25)]):
+        name = f"data-{k:05d}-of-00002.arrow"
+        table = _arrow_table(pa, start, count)
+        with pa.OSFile(str(tmp_path / name), "wb") as f, pyarrow.ipc.new_stream(
+                f, table.schema) as w:
+            w.write_table(table)
+        files.append({"filename": name})
+    (tmp_path / "state.json").write_text(json.dumps({"_data_files": files,
+                                                     "_fingerprint": "abc"}))
+    src = HFDiskSource(tmp_path)
+    assert src.shard_sizes == [25, N - 25]
+    _check_arrow_source(src)

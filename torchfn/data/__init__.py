@@ -15,7 +15,9 @@ from torchfn.data._shards import ShardWriter as ShardWriter
 from torchfn.data._shards import VerifyReport as VerifyReport
 from torchfn.data._shards import read_manifest as read_manifest
 from torchfn.data._shards import verify_shards as verify_shards
+from torchfn.data._sources import HFDiskSource as HFDiskSource
 from torchfn.data._sources import NumpySource as NumpySource
+from torchfn.data._sources import ParquetSource as ParquetSource
 from torchfn.data._sources import SampleSource as SampleSource
 from torchfn.data._sources import ShardSource as ShardSource
 from torchfn.data._sources import TarError as TarError
@@ -34,7 +36,9 @@ __all__ = [
     "ClassBalancedSampler",
     "CorruptShardError",
     "EpisodicBatchSampler",
+    "HFDiskSource",
     "NumpySource",
+    "ParquetSource",
     "Plan",
     "SampleSource",
     "ShardReader",

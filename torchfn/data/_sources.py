@@ -15,7 +15,8 @@ epoch and resumes mid-epoch exactly, as ``.tfs`` shards do. The protocol (``Samp
 - ``describe()``: a short description for error messages.
 
 Readers here: ``ShardSource`` (a ``.tfs`` directory: the adapter), ``NumpySource`` (arrays,
-memory maps, ``.npy`` paths) and ``TarSource`` (webdataset-style tar shards).
+memory maps, ``.npy`` paths), ``TarSource`` (webdataset-style tar shards), and, with
+``pyarrow`` installed, ``ParquetSource`` and ``HFDiskSource`` (``Dataset.save_to_disk``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ import torch
 from ._shards import ShardReader, read_manifest
 
 __all__ = [
+    "HFDiskSource",
     "NumpySource",
+    "ParquetSource",
     "SampleSource",
     "ShardSource",
     "TarError",
@@ -322,19 +325,19 @@ class TarError(RuntimeError):
     """A tar shard is truncated or corrupt, or one of its members cannot be decoded."""
 
 
-def _expand(paths: Any) -> list[str]:
+def _expand(paths: Any, ext: str = ".tar", who: str = "TarSource") -> list[str]:
     items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     out: list[str] = []
     for p in items:
         p = str(p)
         if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, "*.tar")))
+            found = sorted(glob.glob(os.path.join(p, "*" + ext)))
         elif any(c in p for c in "*?["):
             found = sorted(glob.glob(p))
         else:
             found = [p]
         if not found:
-            raise FileNotFoundError(f"TarSource(paths={p!r}): no .tar files match")
+            raise FileNotFoundError(f"{who}(paths={p!r}): no {ext} files match")
         out += found
     return out
 
@@ -523,3 +526,231 @@ class TarSource:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = {}
+
+
+# ---------------------------------------------------------------------- Arrow: Parquet, HF
+def _pyarrow(who: str) -> Any:
+    try:
+        import pyarrow as pa
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise ImportError(
+            f"{who} needs pyarrow, which is not installed: pip install pyarrow"
+        ) from None
+    return pa
+
+
+def _arrow_column(col: Any, pa: Any) -> Any:
+    """Returns an Arrow column as a ``(b, ...)`` tensor when its values are numbers of one
+    shape (scalars or nested lists), else the Python list of values."""
+    t = col.type
+    if col.null_count == 0 and (pa.types.is_integer(t) or pa.types.is_floating(t)
+                                or pa.types.is_boolean(t)):
+        return torch.from_numpy(np.array(col.to_pylist() if pa.types.is_boolean(t)
+                                         else col.to_numpy()))
+    values = col.to_pylist()
+    if values and col.null_count == 0 and (
+        pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    ):
+        arrays = [np.asarray(v) for v in values]
+        if len({(a.shape, a.dtype) for a in arrays}) == 1 and arrays[0].dtype.kind in "biuf":
+            return torch.from_numpy(np.stack(arrays))
+    return values
+
+
+class _ArrowSource:
+    """Shared reading for sources whose units are Arrow tables (row groups or files)."""
+
+    _who = "ArrowSource"
+
+    def _setup(self, pa: Any, schema: Any, unit_rows: list[int], columns: Sequence[str] | None,
+               label_column: str | None, labels_of: Callable[[], Any]) -> None:
+        names = list(schema.names)
+        if label_column is not None and label_column not in names:
+            raise ValueError(
+                f"{self._who}(label_column={label_column!r}): no such column; the columns are "
+                f"{names}"
+            )
+        cols = [c for c in names if c != label_column] if columns is None else list(columns)
+        missing = [c for c in cols if c not in names]
+        if missing:
+            raise ValueError(
+                f"{self._who}(columns=...): no columns {missing}; the columns are {names}"
+            )
+        self.columns = cols
+        self.label_column = label_column
+        self.shard_sizes = unit_rows
+        self._starts = np.cumsum([0, *unit_rows])
+        self.labels: np.ndarray | None = None
+        if label_column is not None:
+            lab = labels_of()
+            if lab.null_count or not pa.types.is_integer(lab.type):
+                raise ValueError(
+                    f"{self._who}(label_column={label_column!r}): expected integers without "
+                    f"nulls, got type {lab.type} with {lab.null_count} nulls"
+                )
+            self.labels = np.asarray(lab.to_numpy(), dtype=np.int64)
+        self._cache: tuple[int, Any] | None = None
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _table(self, unit: int) -> Any:  # one unit's table with self.columns
+        raise NotImplementedError
+
+    def _unit(self, unit: int) -> Any:
+        if self._cache is None or self._cache[0] != unit:
+            self._cache = (unit, self._table(unit))
+        return self._cache[1]
+
+    def read(self, ids: Any) -> dict[str, Any]:
+        pa = _pyarrow(self._who)
+        ids = _as_ids(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"{self._who}.read: ids must lie in [0, {len(self)})")
+        units = np.searchsorted(self._starts, ids, side="right") - 1
+        order = np.argsort(units, kind="stable")
+        parts = []
+        for u in np.unique(units).tolist():
+            rows = ids[units == u] - self._starts[u]
+            parts.append(self._unit(u).take(pa.array(rows)))
+        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+        inv = np.empty_like(order)
+        inv[order] = np.arange(len(order))
+        table = table.take(pa.array(inv))  # back to the order of ids
+        return {c: _arrow_column(table.column(c), pa) for c in self.columns}
+
+    def read_sample(self, i: int) -> dict[str, Any]:
+        return {k: v[0] for k, v in self.read([i]).items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": None}
+
+
+class ParquetSource(_ArrowSource):
+    """Returns a ``SampleSource`` over Parquet files (needs ``pyarrow``); row groups are the
+    locality units (``shard_sizes``), read whole and cached one at a time.
+
+    ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list. ``columns``: the
+    fields (default all but ``label_column``); ``label_column``: an integer column that becomes
+    ``labels``. Numeric columns and lists of numbers of one shape become tensors, others lists.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq  # doctest: +SKIP
+        >>> path = tempfile.mkdtemp() + "/a.parquet"  # doctest: +SKIP
+        >>> pq.write_table(pa.table({"x": [[0.0, 1.0], [2.0, 3.0]], "y": [1, 0]}), path)  # doctest: +SKIP
+        >>> ParquetSource(path, label_column="y").read([1])["x"].tolist()  # doctest: +SKIP
+        [[2.0, 3.0]]
+    """
+
+    _who = "ParquetSource"
+
+    def __init__(self, paths: Any, *, columns: Sequence[str] | None = None,
+                 label_column: str | None = None) -> None:
+        pa = _pyarrow(self._who)
+        self.files = _expand(paths, ".parquet", self._who)
+        self._units: list[tuple[int, int]] = []
+        rows, schema, meta = [], None, []
+        for f, path in enumerate(self.files):
+            pf = pa.parquet.ParquetFile(path)
+            if schema is None:
+                schema = pf.schema_arrow
+            elif not pf.schema_arrow.equals(schema):
+                raise ValueError(
+                    f"ParquetSource: {path!r} has schema {pf.schema_arrow}; the first file has "
+                    f"{schema}"
+                )
+            md = pf.metadata
+            meta.append((os.path.basename(path), md.num_rows, md.num_row_groups))
+            for g in range(md.num_row_groups):
+                self._units.append((f, g))
+                rows.append(md.row_group(g).num_rows)
+
+        def labels_of() -> Any:
+            cols = [pa.parquet.read_table(p, columns=[label_column]).column(0)
+                    for p in self.files]
+            return pa.chunked_array([c for col in cols for c in col.chunks],
+                                    type=schema.field(label_column).type)
+
+        self._setup(pa, schema, rows, columns, label_column, labels_of)
+        self._fp = _digest(meta, str(schema))
+
+    def _table(self, unit: int) -> Any:
+        pa = _pyarrow(self._who)
+        f, g = self._units[unit]
+        return pa.parquet.ParquetFile(self.files[f]).read_row_group(g, columns=self.columns)
+
+    def fingerprint(self) -> str:
+        return self._fp
+
+    def describe(self) -> str:
+        return f"ParquetSource({len(self)} rows in {len(self.files)} files)"
+
+
+class HFDiskSource(_ArrowSource):
+    """Returns a ``SampleSource`` over a Hugging Face ``Dataset.save_to_disk`` directory
+    (needs ``pyarrow``, not ``datasets``): its Arrow files are memory-mapped, one unit each.
+
+    ``path``: the directory holding ``state.json`` (for a ``DatasetDict``, the split's
+    directory, e.g. ``path/train``). ``label_column`` defaults to ``"label"`` when present.
+
+    Example:
+        >>> src = HFDiskSource("mnist_saved/train")  # doctest: +SKIP
+        >>> src.read([0])["image"]  # doctest: +SKIP
+    """
+
+    _who = "HFDiskSource"
+
+    def __init__(self, path: str | os.PathLike[str], *, columns: Sequence[str] | None = None,
+                 label_column: str | None = "label") -> None:
+        pa = _pyarrow(self._who)
+        root = Path(path)
+        if (root / "dataset_dict.json").exists():
+            splits = sorted(p.name for p in root.iterdir() if p.is_dir())
+            raise ValueError(
+                f"HFDiskSource({str(path)!r}): this is a DatasetDict; pass one split's directory, "
+                f"one of {splits}"
+            )
+        try:
+            state = json.loads((root / "state.json").read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"HFDiskSource({str(path)!r}): no state.json; expected a directory written by "
+                "datasets' Dataset.save_to_disk"
+            ) from None
+        self.files = [str(root / d["filename"]) for d in state["_data_files"]]
+        self._tables = [self._open(p) for p in self.files]
+        schema = self._tables[0].schema
+        if label_column == "label" and "label" not in schema.names:
+            label_column = None
+        self._setup(
+            pa, schema, [t.num_rows for t in self._tables], columns, label_column,
+            lambda: pa.chunked_array(
+                [c for t in self._tables for c in t.column(label_column).chunks],
+                type=schema.field(label_column).type,
+            ),
+        )
+        self._fp = _digest(state.get("_fingerprint"), [d["filename"] for d in state["_data_files"]],
+                           self.shard_sizes)
+
+    def _open(self, path: str) -> Any:
+        pa = _pyarrow(self._who)
+        try:
+            return pa.ipc.open_stream(pa.memory_map(path, "r")).read_all()
+        except (OSError, pa.ArrowInvalid) as e:
+            raise ValueError(f"HFDiskSource: cannot read Arrow file {path!r}: {e}") from e
+
+    def _table(self, unit: int) -> Any:
+        if self._tables[unit] is None:
+            self._tables[unit] = self._open(self.files[unit])
+        return self._tables[unit].select(self.columns)
+
+    def fingerprint(self) -> str:
+        return self._fp
+
+    def describe(self) -> str:
+        return f"HFDiskSource({len(self)} rows in {len(self.files)} Arrow files)"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": None, "_tables": [None] * len(self.files)}
