@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import sys
 import tarfile
 
@@ -221,6 +222,19 @@ def test_numpy_in_memory_memmap_and_strings(tmp_path):
     batches = list(loader)
     assert "label" not in batches[0] and loader.state_dict()["consumed"] == 9
     assert torch.cat([b["m"] for b in batches]).tolist() == list(range(0, 90, 10))
+
+
+def test_sources_pickle_without_their_data_or_descriptors(npy_dir, tar_dir):
+    src = _numpy(npy_dir)
+    blob = pickle.dumps(src)
+    assert len(blob) < 2000  # the memory-mapped field travels as its path
+    back = pickle.loads(blob)
+    assert isinstance(back.arrays["x"], np.memmap) and back.fingerprint() == src.fingerprint()
+    assert torch.equal(back.read([5, 1])["x"], src.read([5, 1])["x"])
+    tar = _tar(tar_dir)
+    tar.read([0])  # opens a descriptor
+    back = pickle.loads(pickle.dumps(tar))
+    assert back._fds == {} and back.read([36])["txt"] == ["s36"]
 
 
 def test_numpy_errors_name_the_field(tmp_path):

@@ -289,6 +289,18 @@ class NumpySource:
         fields = {k: self._paths.get(k, f"{v.dtype}{list(v.shape)}") for k, v in self.arrays.items()}
         return f"NumpySource({self.num_samples} samples, fields {fields})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # fields opened from .npy paths travel as their paths (a spawned worker maps the file
+        # again instead of receiving a copy of the data)
+        arrays = {k: (None if k in self._paths else v) for k, v in self.arrays.items()}
+        return {**self.__dict__, "arrays": arrays}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for k, v in self.arrays.items():
+            if v is None:
+                self.arrays[k] = np.load(self._paths[k], mmap_mode="r", allow_pickle=False)
+
 
 # ---------------------------------------------------------------------- tar shards
 def decode_member(ext: str, data: bytes) -> Any:
