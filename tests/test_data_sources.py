@@ -28,6 +28,7 @@ from torchfn.data import (
     TarError,
     TarSource,
     plan,
+    write_shards,
 )
 
 N = 37
@@ -348,6 +349,31 @@ def test_shard_source_is_the_shard_directory(shard_dir):
     batch = src.read(ref[0]["id"].numpy())
     assert torch.equal(batch["x"], ref[0]["x"])
     assert torch.equal(torch.from_numpy(src.labels[ref[0]["id"].numpy()]), ref[0]["label"])
+
+
+def test_write_shards_converts_any_source(source, tmp_path):
+    src, field = source
+    root = write_shards(src, tmp_path / "tfs", samples_per_shard=10, batch_size=8,
+                        fields=[field])
+    shards = ShardSource(root)
+    assert len(shards) == N and shards.labels.tolist() == src.labels.tolist()
+    ids = np.arange(N)
+    assert torch.equal(shards.read(ids)[field], src.read(ids)[field])
+    batches = list(StreamingDataset(root, batch_size=6, seed=1, meta=True))
+    _check_contents(batches, field)
+    assert sorted(_ids(batches)) == list(range(N))
+    with pytest.raises(ValueError, match=r"has no labels .* pass default_label=<int>"):
+        write_shards(NumpySource({"x": np.zeros(3)}), tmp_path / "u", samples_per_shard=2)
+    root = write_shards(NumpySource({"x": np.zeros(3)}), tmp_path / "u", samples_per_shard=2,
+                        default_label=-1)
+    assert ShardSource(root).labels.tolist() == [-1, -1, -1]
+    with pytest.raises(ValueError, match=r"write_shards\(fields=...\): .* has no fields \['z'\]"):
+        write_shards(src, tmp_path / "z", samples_per_shard=10, fields=["z"])
+
+
+def test_write_shards_refuses_text_fields(tar_dir, tmp_path):
+    with pytest.raises(TypeError, match=r"field 'txt' must be a torch.Tensor or numpy array"):
+        write_shards(_tar(tar_dir), tmp_path, samples_per_shard=10)
 
 
 def test_dataset_errors_for_sources(npy_dir):

@@ -24,6 +24,7 @@ from torchfn.data._sources import TarError as TarError
 from torchfn.data._sources import TarSource as TarSource
 from torchfn.data._sources import collate_values as collate_values
 from torchfn.data._sources import decode_member as decode_member
+from torchfn.data._sources import write_shards as write_shards
 from torchfn.data._stream import StreamingDataset as StreamingDataset
 from torchfn.data._stream import StreamingLoader as StreamingLoader
 from torchfn.data._stream import state_from_stateful_loader as state_from_stateful_loader
@@ -60,4 +61,5 @@ __all__ = [
     "split_episode",
     "state_from_stateful_loader",
     "verify_shards",
+    "write_shards",
 ]

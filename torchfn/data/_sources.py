@@ -47,6 +47,7 @@ __all__ = [
     "TarSource",
     "collate_values",
     "decode_member",
+    "write_shards",
 ]
 
 
@@ -168,6 +169,59 @@ class ShardSource:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_readers": {}}
+
+
+def write_shards(
+    source: SampleSource,
+    root: str | os.PathLike[str],
+    *,
+    samples_per_shard: int,
+    batch_size: int = 256,
+    fields: Sequence[str] | None = None,
+    default_label: int | None = None,
+    **writer_kwargs: Any,
+) -> Path:
+    """Returns ``root`` after writing every sample of ``source`` (in id order) as ``.tfs``
+    shards (``ShardWriter``: per-sample checksums, memory-mapped reads).
+
+    Sample ``i`` of the shards is sample ``i`` of the source, with its label. Fields must be
+    tensors or numbers (a field of strings or bytes is refused by ``ShardWriter``, naming it).
+    ``fields`` selects fields (default all). A source without labels needs ``default_label``
+    (the shards store one integer per sample).
+    ``writer_kwargs`` go to ``ShardWriter`` (``checksum``, ``ragged``).
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> src = NumpySource({"x": np.arange(6.0)}, labels=np.arange(6) % 2)
+        >>> root = write_shards(src, tempfile.mkdtemp(), samples_per_shard=4)
+        >>> ShardSource(root).read([5])["x"].tolist(), ShardSource(root).labels.tolist()
+        ([5.0], [0, 1, 0, 1, 0, 1])
+    """
+    from ._shards import ShardWriter
+
+    labels = source.labels
+    if labels is None and default_label is None:
+        raise ValueError(
+            f"write_shards: {source.describe()} has no labels and .tfs shards store one integer "
+            "label per sample; pass default_label=<int> to store that for every sample"
+        )
+    n = len(source)
+    with ShardWriter(root, samples_per_shard=samples_per_shard, **writer_kwargs) as w:
+        for a in range(0, n, batch_size):
+            ids = np.arange(a, min(a + batch_size, n), dtype=np.int64)
+            batch = source.read(ids)
+            if fields is not None:
+                missing = [f for f in fields if f not in batch]
+                if missing:
+                    raise ValueError(
+                        f"write_shards(fields=...): {source.describe()} has no fields {missing}; "
+                        f"it has {sorted(batch)}"
+                    )
+                batch = {f: batch[f] for f in fields}
+            for j, i in enumerate(ids.tolist()):
+                w.write({k: v[j] for k, v in batch.items()},
+                        label=int(labels[i]) if labels is not None else int(default_label))
+    return Path(root)
 
 
 # ---------------------------------------------------------------------- numpy
