@@ -15,6 +15,16 @@ from torchfn.data._shards import ShardWriter as ShardWriter
 from torchfn.data._shards import VerifyReport as VerifyReport
 from torchfn.data._shards import read_manifest as read_manifest
 from torchfn.data._shards import verify_shards as verify_shards
+from torchfn.data._sources import HFDiskSource as HFDiskSource
+from torchfn.data._sources import NumpySource as NumpySource
+from torchfn.data._sources import ParquetSource as ParquetSource
+from torchfn.data._sources import SampleSource as SampleSource
+from torchfn.data._sources import ShardSource as ShardSource
+from torchfn.data._sources import TarError as TarError
+from torchfn.data._sources import TarSource as TarSource
+from torchfn.data._sources import collate_values as collate_values
+from torchfn.data._sources import decode_member as decode_member
+from torchfn.data._sources import write_shards as write_shards
 from torchfn.data._stream import StreamingDataset as StreamingDataset
 from torchfn.data._stream import StreamingLoader as StreamingLoader
 from torchfn.data._stream import state_from_stateful_loader as state_from_stateful_loader
@@ -27,19 +37,29 @@ __all__ = [
     "ClassBalancedSampler",
     "CorruptShardError",
     "EpisodicBatchSampler",
+    "HFDiskSource",
+    "NumpySource",
+    "ParquetSource",
     "Plan",
+    "SampleSource",
     "ShardReader",
+    "ShardSource",
     "ShardWriter",
     "StreamBalanceReport",
     "StreamClassBalancer",
     "StreamingDataset",
     "StreamingLoader",
+    "TarError",
+    "TarSource",
     "VerifyReport",
     "audit_plan",
+    "collate_values",
+    "decode_member",
     "global_order",
     "plan",
     "read_manifest",
     "split_episode",
     "state_from_stateful_loader",
     "verify_shards",
+    "write_shards",
 ]

@@ -25,6 +25,7 @@ from ._shards import (
     read_manifest,
     verify_shards,
 )
+from ._sources import SampleSource, ShardSource
 
 __all__ = ["StreamingDataset", "StreamingLoader", "state_from_stateful_loader"]
 
@@ -75,7 +76,12 @@ class StreamingDataset(IterableDataset):
     (fewer batches left than workers) yields nothing.
 
     Args:
-        root: a directory written by ``ShardWriter``.
+        root: a directory written by ``ShardWriter`` (or a ``ShardSource`` over one: the same),
+            or any ``SampleSource`` (``NumpySource``, ``TarSource``, ...): the plan is the same,
+            batches are the source's ``read(ids)`` plus ``"label"`` (when the source has
+            labels), ``state_dict`` adds the source's ``"fingerprint"`` (checked on resume).
+            ``verify``/``on_corrupt``/``verify()`` are the shards'; a source raises its own
+            errors.
         batch_size: items per batch (also the worker round-robin unit).
         seed, shuffle, shuffle_buffer, policy: passed to ``plan``.
         world_size, rank: default to ``torch.distributed``'s when initialized, else 1 and 0.
@@ -107,7 +113,7 @@ class StreamingDataset(IterableDataset):
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | SampleSource,
         *,
         batch_size: int,
         batched: bool = True,
@@ -132,14 +138,21 @@ class StreamingDataset(IterableDataset):
             raise ValueError(
                 f"StreamingDataset(batch_size=...): expected an int >= 1, got {batch_size!r}"
             )
-        self.root = Path(root)
-        manifest = read_manifest(root)
-        self.files = [str(self.root / s["file"]) for s in manifest["shards"]]
-        self.shard_sizes = [int(s["num_samples"]) for s in manifest["shards"]]
+        if isinstance(root, ShardSource):
+            root = root.root
+        self.source: SampleSource | None = None
+        self._fingerprint: str | None = None
+        if isinstance(root, str | os.PathLike):
+            self.root: Path | None = Path(root)
+            manifest = read_manifest(root)
+            self.files = [str(self.root / s["file"]) for s in manifest["shards"]]
+            self.shard_sizes = [int(s["num_samples"]) for s in manifest["shards"]]
+            self.labels: np.ndarray | None = np.asarray(
+                [lab for s in manifest["shards"] for lab in s["labels"]], dtype=np.int64
+            )
+        else:
+            self._use_source(root, on_corrupt)
         self._starts = np.cumsum([0, *self.shard_sizes])
-        self.labels = np.asarray(
-            [lab for s in manifest["shards"] for lab in s["labels"]], dtype=np.int64
-        )
         self.num_samples = int(self._starts[-1])
         dw, dr = _dist_layout()
         self.world_size = dw if world_size is None else world_size
@@ -159,6 +172,34 @@ class StreamingDataset(IterableDataset):
         self._progress = (0, 0, 0)  # (epoch, start consumed, items consumed on this rank)
         self._readers: dict[int, ShardReader] = {}
 
+    def _use_source(self, source: Any, on_corrupt: str) -> None:
+        if not isinstance(source, SampleSource):
+            raise TypeError(
+                "StreamingDataset(root=...): expected a shard directory or a SampleSource "
+                "(len, shard_sizes, labels, read, read_sample, fingerprint, describe), got "
+                f"{type(source).__name__}"
+            )
+        if on_corrupt != "raise":
+            raise ValueError(
+                f"StreamingDataset(on_corrupt={on_corrupt!r}): skipping applies to .tfs shard "
+                f"directories; {source.describe()} raises its own errors"
+            )
+        self.source, self.root, self.files = source, None, []
+        self.shard_sizes = [int(s) for s in source.shard_sizes]
+        if sum(self.shard_sizes) != len(source):
+            raise ValueError(
+                f"StreamingDataset: {source.describe()} has shard_sizes summing to "
+                f"{sum(self.shard_sizes)}, not its length {len(source)}"
+            )
+        labels = source.labels
+        self.labels = None if labels is None else np.asarray(labels, dtype=np.int64)
+        if self.labels is not None and self.labels.shape != (len(source),):
+            raise ValueError(
+                f"StreamingDataset: {source.describe()} has labels of shape "
+                f"{self.labels.shape}, expected ({len(source)},)"
+            )
+        self._fingerprint = source.fingerprint()
+
     # ------------------------------------------------------------------ state
     def _exclude(self, report: VerifyReport) -> None:
         for b in report.bad:
@@ -171,6 +212,11 @@ class StreamingDataset(IterableDataset):
 
         With ``on_corrupt="raise"`` a bad sample raises ``CorruptShardError``.
         """
+        if self.root is None:
+            raise ValueError(
+                f"StreamingDataset.verify: checksums are the .tfs shards'; this dataset reads "
+                f"{self.source.describe()}"  # type: ignore[union-attr]
+            )
         report = verify_shards(self.root, full=True)
         if report.bad and self.on_corrupt == "raise":
             _, path, index, reason = report.bad[0]
@@ -217,6 +263,8 @@ class StreamingDataset(IterableDataset):
             "world_size": self.world_size, "batch_size": self.batch_size,
             "num_samples": self.num_samples,
         }
+        if self._fingerprint is not None:
+            sd["fingerprint"] = self._fingerprint
         if self._worker_state is not None:
             sd["worker"] = dict(self._worker_state)
         return sd
@@ -230,6 +278,13 @@ class StreamingDataset(IterableDataset):
                 "StreamingDataset.load_state_dict: state is for num_samples="
                 f"{state['num_samples']}, seed={state['seed']}; this dataset has "
                 f"num_samples={self.num_samples}, seed={self.seed}"
+            )
+        fp = state.get("fingerprint")
+        if fp is not None and self._fingerprint is not None and fp != self._fingerprint:
+            raise ValueError(
+                f"StreamingDataset.load_state_dict: state is for a source with fingerprint "
+                f"{fp}; this dataset reads {self.source.describe()} with fingerprint "  # type: ignore[union-attr]
+                f"{self._fingerprint} (the data changed)"
             )
         self.epoch = int(state["epoch"])
         self._resume = int(state["consumed"])
@@ -257,6 +312,8 @@ class StreamingDataset(IterableDataset):
     def _good(self, ids: np.ndarray) -> np.ndarray:
         """Returns a keep-mask over ``ids``; raises or logs corrupt samples."""
         keep = np.ones(len(ids), dtype=bool)
+        if self.source is not None:  # a source raises its own errors when read
+            return keep
         ok = np.zeros(len(ids), dtype=bool)  # samples known good: skip the per-sample loop
         shards, local = self._locate(ids)
         if not self.verify_reads:  # fast path: only the structural checks of the shards
@@ -298,10 +355,15 @@ class StreamingDataset(IterableDataset):
         """Gathers a batch: fixed-shape fields stacked, ragged fields as lists of tensors."""
         if self.transform is not None:
             return self._collate_samples(ids)
+        in_worker = get_worker_info() is not None
+        if self.source is not None:
+            out = dict(self.source.read(ids))
+            if self.labels is not None:
+                out["label"] = self._labels(ids, in_worker)
+            return out
         shards, local = self._locate(ids)
         uniq = np.unique(shards).tolist()
         readers = {s: self._reader(s) for s in uniq}
-        in_worker = get_worker_info() is not None
         out: dict[str, Any] = {}
         for name in readers[uniq[0]].fields:
             srcs = {s: r.fixed(name) for s, r in readers.items()}
@@ -328,6 +390,7 @@ class StreamingDataset(IterableDataset):
     def _labels(self, ids: np.ndarray, shared: bool) -> torch.Tensor:
         """Returns the ``(b,)`` int64 labels of ``ids`` (in shared memory in a worker, like the
         fields: a plain tensor would be copied into a new shared segment when sent)."""
+        assert self.labels is not None
         out = _alloc_bytes(8 * len(ids), shared).view(torch.int64)
         np.take(self.labels, ids, out=out.numpy())
         return out
@@ -342,6 +405,8 @@ class StreamingDataset(IterableDataset):
         it does not apply (ragged fields, shards that differ) or any sample failed: the caller
         then takes the per-sample path, which raises or skips with the usual messages.
         """
+        if self.source is not None:
+            return None
         shards, local = self._locate(ids)
         order = np.lexsort((local, shards))
         sorted_shards = shards[order]
@@ -375,6 +440,11 @@ class StreamingDataset(IterableDataset):
         return default_collate([self._sample(int(i)) for i in ids])
 
     def _sample(self, gid: int) -> dict[str, Any]:
+        if self.source is not None:
+            sample = dict(self.source.read_sample(gid))
+            if self.labels is not None:
+                sample["label"] = int(self.labels[gid])
+            return self.transform(sample) if self.transform is not None else sample
         s, i = self._locate(np.asarray([gid]))
         sample: dict[str, Any] = dict(self._reader(int(s[0])).sample(int(i[0]), verify=False))
         sample["label"] = int(self.labels[gid])
@@ -447,6 +517,16 @@ class StreamingDataset(IterableDataset):
         return state
 
 
+def _batch_len(batch: Any) -> int:
+    """Returns the number of items in a yielded batch (1 for a non-dict item)."""
+    if not isinstance(batch, Mapping) or not batch:
+        return 1
+    for key in ("label", "id"):
+        if key in batch:
+            return len(batch[key])
+    return len(next(iter(batch.values())))
+
+
 class StreamingLoader:
     """Returns an iterable DataLoader over a ``StreamingDataset`` that tracks consumed items.
 
@@ -496,7 +576,7 @@ class StreamingLoader:
         items = 0
         ds._progress = (ds.epoch, start, 0)
         for batch in it:
-            items += len(batch["label"]) if isinstance(batch, Mapping) and "label" in batch else 1
+            items += _batch_len(batch)
             ds._progress = (ds.epoch, start, items)
             yield batch
 

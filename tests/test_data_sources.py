@@ -1,0 +1,452 @@
+"""Sample sources (numpy arrays / memory maps, webdataset-style tars, the .tfs adapter) streamed
+by StreamingDataset: exactly once over ranks x workers, resume == uninterrupted, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from torchfn.data import (
+    HFDiskSource,
+    NumpySource,
+    ParquetSource,
+    SampleSource,
+    ShardSource,
+    ShardWriter,
+    StreamingDataset,
+    StreamingLoader,
+    TarError,
+    TarSource,
+    plan,
+    write_shards,
+)
+
+N = 37
+TAR_SIZES = [10, 15, 12]
+
+
+def _write_tar(path, start, count, *, extra=None, skip_cls=False):
+    """One tar shard of samples start..start+count-1: x.npy = full((3,), id), cls = id % 3."""
+    with tarfile.open(path, "w") as tf:
+        for i in range(start, start + count):
+            buf = io.BytesIO()
+            np.save(buf, np.full((3,), float(i)))
+            members = [("x.npy", buf.getvalue()), ("txt", f"s{i}".encode())]
+            if not skip_cls:
+                members.append(("cls", str(i % 3).encode()))
+            for ext, data in members + list((extra or {}).items()):
+                info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture(scope="module")
+def tar_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tars")
+    start = 0
+    for k, n in enumerate(TAR_SIZES):
+        _write_tar(root / f"shard-{k:03d}.tar", start, n)
+        start += n
+    return root
+
+
+@pytest.fixture(scope="module")
+def npy_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("npy")
+    np.save(root / "x.npy", np.arange(N, dtype=np.float64)[:, None].repeat(3, 1))
+    np.save(root / "y.npy", np.arange(N) % 3)
+    return root
+
+
+def _numpy(npy_dir):  # memory-mapped .npy paths; labels from a field
+    return NumpySource({"x": npy_dir / "x.npy", "y": str(npy_dir / "y.npy")}, labels="y")
+
+
+def _tar(tar_dir):
+    return TarSource(str(tar_dir / "shard-*.tar"))
+
+
+SOURCES = {"numpy": ("npy_dir", _numpy, "x"), "tar": ("tar_dir", _tar, "x.npy")}
+
+
+@pytest.fixture(params=sorted(SOURCES))
+def source(request):
+    fixture, make, field = SOURCES[request.param]
+    return make(request.getfixturevalue(fixture)), field
+
+
+def _check_contents(batches, field):
+    for b in batches:  # contents and labels follow the ids
+        assert torch.equal(b[field], b["id"].double()[:, None].expand(-1, 3))
+        assert torch.equal(b["label"], b["id"] % 3)
+
+
+def _ids(batches):
+    return torch.cat([b["id"] for b in batches]).tolist() if batches else []
+
+
+def _rank_stream(ds):
+    return plan(seed=ds.seed, epoch=ds.epoch, shard_sizes=ds.shard_sizes,
+                world_size=ds.world_size, rank=ds.rank, policy=ds.policy).ids.tolist()
+
+
+def test_sources_satisfy_the_protocol(source, tar_dir, npy_dir):
+    src, _ = source
+    assert isinstance(src, SampleSource) and len(src) == N
+    assert sum(src.shard_sizes) == N and src.labels.tolist() == [i % 3 for i in range(N)]
+    assert len(src.fingerprint()) == 32
+    assert src.fingerprint() == (_numpy(npy_dir) if "Numpy" in src.describe()
+                                 else _tar(tar_dir)).fingerprint()
+
+
+@settings(max_examples=15, deadline=None)
+@given(world=st.integers(1, 3), batch=st.integers(1, 6), seed=st.integers(0, 2**30),
+       policy=st.sampled_from(["drop", "pad"]), epoch=st.integers(0, 2),
+       kind=st.sampled_from(sorted(SOURCES)))
+def test_exactly_once_over_ranks(tar_dir, npy_dir, world, batch, seed, policy, epoch, kind):
+    fixture, make, field = SOURCES[kind]
+    src = make(tar_dir if fixture == "tar_dir" else npy_dir)
+    real = []
+    lengths = set()
+    for r in range(world):
+        ds = StreamingDataset(src, batch_size=batch, seed=seed, meta=True, world_size=world,
+                              rank=r, policy=policy)
+        ds.set_epoch(epoch)
+        batches = list(ds)
+        _check_contents(batches, field)
+        assert _ids(batches) == _rank_stream(ds)
+        lengths.add(len(_ids(batches)))
+        real += [int(i) for b in batches for i, p in zip(b["id"], b["padded"], strict=True)
+                 if not p]
+    assert len(lengths) == 1 and len(real) == len(set(real))
+    if policy == "pad":
+        assert sorted(real) == list(range(N))
+    else:
+        assert len(real) == N - N % world
+
+
+def test_dataloader_workers_over_ranks_exactly_once(source):
+    src, field = source
+    seen = []
+    for rank in range(2):
+        ds = StreamingDataset(src, batch_size=4, seed=3, meta=True, world_size=2, rank=rank,
+                              policy="pad")
+        batches = list(StreamingLoader(ds, num_workers=2))
+        _check_contents(batches, field)
+        assert _ids(batches) == _rank_stream(ds) and len(_ids(batches)) == 19
+        assert {int(w) for b in batches for w in b["worker"]} == {0, 1}
+        seen += [int(i) for b in batches for i, p in zip(b["id"], b["padded"], strict=True)
+                 if not p]
+    assert sorted(seen) == list(range(N))
+
+
+def _resume_run(src, legs):
+    """Consume `steps` batches with `workers` workers and batch size `bs` per leg; each leg a
+    fresh dataset restored from the previous leg's state."""
+    out, state = [], None
+    for steps, workers, bs in legs:
+        ds = StreamingDataset(src, batch_size=bs, seed=11, meta=True, world_size=2, rank=1)
+        ds.set_epoch(2)
+        if state is not None:
+            ds.load_state_dict(state)
+            ds.set_epoch(2)
+        loader = StreamingLoader(ds, num_workers=workers)
+        it = iter(loader)
+        for _ in range(steps):
+            b = next(it, None)
+            if b is None:
+                break
+            out += b["id"].tolist()
+        state = loader.state_dict()
+        del it
+    return out, state
+
+
+def test_resume_with_changed_workers_equals_uninterrupted(source):
+    src, _ = source
+    full, _ = _resume_run(src, [(100, 2, 7)])
+    assert len(full) == 18 and len(set(full)) == 18
+    got, state = _resume_run(src, [(1, 2, 3), (2, 0, 5), (100, 1, 4)])
+    assert got == full
+    assert state["consumed"] == 36 and state["fingerprint"] == src.fingerprint()
+
+
+def test_resume_refuses_other_data(npy_dir, tmp_path):
+    ds = StreamingDataset(_numpy(npy_dir), batch_size=4)
+    next(iter(ds))
+    sd = ds.state_dict()
+    assert sd["consumed"] == 4
+    other = NumpySource({"x": np.zeros((N, 3))}, labels=np.arange(N) % 3)
+    with pytest.raises(ValueError, match=r"fingerprint \w+ \(the data changed\)"):
+        StreamingDataset(other, batch_size=4).load_state_dict(sd)
+
+
+def test_per_sample_mode_and_transform(source):
+    src, field = source
+    ds = StreamingDataset(src, batch_size=5, batched=False, shuffle=False, meta=True)
+    samples = list(DataLoader(ds, batch_size=5, num_workers=0))
+    assert _ids(samples) == list(range(N))
+    _check_contents(samples, field)
+    ds = StreamingDataset(src, batch_size=5, shuffle=False,
+                          transform=lambda s: {"y": s[field].sum(), "label": s["label"]})
+    b = next(iter(ds))
+    assert torch.equal(b["y"], 3 * torch.arange(5, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------- numpy
+def test_numpy_in_memory_memmap_and_strings(tmp_path):
+    x = np.random.default_rng(0).standard_normal((9, 2, 2))
+    mm = np.lib.format.open_memmap(tmp_path / "m.npy", mode="w+", dtype=np.int32, shape=(9,))
+    mm[:] = np.arange(9) * 10
+    mm.flush()
+    src = NumpySource({"x": x, "m": np.load(tmp_path / "m.npy", mmap_mode="r"),
+                       "s": np.array([f"w{i}" for i in range(9)])})
+    assert src.labels is None and src.shard_sizes == [9]
+    b = src.read(np.array([7, 2, 7]))
+    assert torch.equal(b["x"], torch.from_numpy(x[[7, 2, 7]]))
+    assert b["m"].tolist() == [70, 20, 70] and b["m"].dtype == torch.int32
+    assert b["s"] == ["w7", "w2", "w7"]
+    assert src.read_sample(4)["m"].item() == 40
+    # no labels: batches have no "label"; StreamingLoader still counts the items exactly
+    ds = StreamingDataset(src, batch_size=4, shuffle=False)
+    loader = StreamingLoader(ds, num_workers=1)
+    batches = list(loader)
+    assert "label" not in batches[0] and loader.state_dict()["consumed"] == 9
+    assert torch.cat([b["m"] for b in batches]).tolist() == list(range(0, 90, 10))
+
+
+def test_sources_pickle_without_their_data_or_descriptors(npy_dir, tar_dir):
+    src = _numpy(npy_dir)
+    blob = pickle.dumps(src)
+    assert len(blob) < 2000  # the memory-mapped field travels as its path
+    back = pickle.loads(blob)
+    assert isinstance(back.arrays["x"], np.memmap) and back.fingerprint() == src.fingerprint()
+    assert torch.equal(back.read([5, 1])["x"], src.read([5, 1])["x"])
+    tar = _tar(tar_dir)
+    tar.read([0])  # opens a descriptor
+    back = pickle.loads(pickle.dumps(tar))
+    assert back._fds == {} and back.read([36])["txt"] == ["s36"]
+
+
+def test_numpy_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"different lengths \{'a': 3, 'b': 4\}"):
+        NumpySource({"a": np.zeros(3), "b": np.zeros(4)})
+    with pytest.raises(ValueError, match=r"labels=.*expected 3 integer labels"):
+        NumpySource({"a": np.zeros(3)}, labels=[0, 1])
+    with pytest.raises(ValueError, match=r"field 'o' has dtype object"):
+        NumpySource({"o": np.array([None, 1], dtype=object)})
+    with pytest.raises(ValueError, match=r"cannot open field 'p' from .*missing\.npy"):
+        NumpySource({"p": tmp_path / "missing.npy"})
+    with pytest.raises(ValueError, match=r"shard_sizes=\[2\]\): expected sizes >= 0 summing"):
+        NumpySource({"a": np.zeros(3)}, shard_sizes=[2])
+    with pytest.raises(IndexError, match=r"ids must lie in \[0, 3\)"):
+        NumpySource({"a": np.zeros(3)}).read([3])
+
+
+# ------------------------------------------------------------------------- tar
+def test_tar_members_decode_and_keys(tmp_path):
+    weights = {"w": torch.arange(4.0)}
+    buf = io.BytesIO()
+    torch.save(weights, buf)
+    _write_tar(tmp_path / "a.tar", 0, 3, extra={"pt": buf.getvalue(), "jpg": b"\xff\xd8"})
+    src = TarSource([tmp_path / "a.tar"])
+    assert src.fields == ["jpg", "pt", "txt", "x.npy"] and src.key(2) == "000002"
+    s = src.read_sample(1)
+    assert s["txt"] == "s1" and s["jpg"] == b"\xff\xd8" and torch.equal(s["pt"]["w"], weights["w"])
+    assert torch.equal(s["x.npy"], torch.full((3,), 1.0, dtype=torch.float64))
+    b = src.read([2, 0])
+    assert b["txt"] == ["s2", "s0"] and b["x.npy"][:, 0].tolist() == [2.0, 0.0]
+    # a pluggable decoder; no .cls members: no labels
+    _write_tar(tmp_path / "b.tar", 0, 2, skip_cls=True)
+    src = TarSource(tmp_path / "b.tar", decode=lambda ext, data: len(data))
+    assert src.labels is None and src.read([1])["txt"].tolist() == [2]
+    # a directory expands to its *.tar files in name order
+    (tmp_path / "d").mkdir()
+    _write_tar(tmp_path / "d" / "1.tar", 0, 3)
+    _write_tar(tmp_path / "d" / "0.tar", 3, 2)
+    src = TarSource(tmp_path / "d")
+    assert src.shard_sizes == [2, 3] and src.read([0, 2])["txt"] == ["s3", "s0"]
+
+
+def test_tar_corruption_errors_name_file_and_member(tmp_path):
+    good = tmp_path / "good.tar"
+    _write_tar(good, 0, 4)
+    data = good.read_bytes()
+    src = TarSource(good)
+    _name, off, size = src._samples[2][2]["x.npy"]
+    # cut inside a member's data
+    (tmp_path / "cut.tar").write_bytes(data[: off + size // 2])
+    with pytest.raises(TarError, match=r"cut\.tar' is truncated: member '000002\.x\.npy' needs"):
+        TarSource(tmp_path / "cut.tar")
+    # cut exactly at a member boundary (tarfile alone would stop silently)
+    end = off + -(-size // 512) * 512
+    (tmp_path / "edge.tar").write_bytes(data[:end])
+    with pytest.raises(TarError, match=r"edge\.tar' is truncated or corrupt: no end-of-archive "
+                       r"marker at byte \d+, after member '000002\.x\.npy'"):
+        TarSource(tmp_path / "edge.tar")
+    # garbage in the header after that member
+    (tmp_path / "junk.tar").write_bytes(data[:end] + b"\x01" * 512 + data[end + 512 :])
+    with pytest.raises(TarError, match=r"junk\.tar' is truncated or corrupt: an unreadable tar "
+                       r"header .* after member '000002\.x\.npy'"):
+        TarSource(tmp_path / "junk.tar")
+    # bytes corrupted inside a member: the decode error names file and member
+    bad = bytearray(data)
+    bad[off : off + 6] = b"XXXXXX"  # the .npy magic
+    (tmp_path / "bad.tar").write_bytes(bytes(bad))
+    src = TarSource(tmp_path / "bad.tar")
+    with pytest.raises(TarError, match=r"cannot decode member '000002\.x\.npy' of .*bad\.tar'"):
+        src.read([0, 2])
+    with pytest.raises(TarError, match=r"cannot read .*empty\.tar' as an uncompressed tar"):
+        (tmp_path / "empty.tar").write_bytes(b"")
+        TarSource(tmp_path / "empty.tar")
+    with tarfile.open(tmp_path / "z.tar.gz", "w:gz") as tf:
+        tf.add(good, arcname="x.txt")
+    with pytest.raises(TarError, match=r"z\.tar\.gz' is gzip-compressed; random access needs"):
+        TarSource(tmp_path / "z.tar.gz")
+    with pytest.raises(FileNotFoundError, match=r"no \.tar files match"):
+        TarSource(str(tmp_path / "nothing-*.tar"))
+
+
+def test_tar_samples_must_share_fields(tmp_path):
+    _write_tar(tmp_path / "a.tar", 0, 2)
+    _write_tar(tmp_path / "b.tar", 2, 2, extra={"jpg": b"x"})
+    with pytest.raises(TarError, match=r"sample '000002' in .*b\.tar' has members .*'jpg'"):
+        TarSource([tmp_path / "a.tar", tmp_path / "b.tar"])
+
+
+# ------------------------------------------------------------------------- .tfs adapter
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tfs")
+    with ShardWriter(root, samples_per_shard=8) as w:
+        for i in range(N):
+            w.write({"x": torch.full((3,), float(i), dtype=torch.float64)}, label=i % 3)
+    return root
+
+
+def test_shard_source_is_the_shard_directory(shard_dir):
+    kw = dict(batch_size=5, seed=4, meta=True, world_size=2, rank=1, policy="pad")
+    a = StreamingDataset(ShardSource(shard_dir), **kw)
+    b = StreamingDataset(shard_dir, **kw)
+    assert a.source is None and a.files == b.files  # the .tfs path itself, not a wrapper
+    got, ref = list(StreamingLoader(a, num_workers=2)), list(StreamingLoader(b, num_workers=2))
+    assert len(got) == len(ref) == 4
+    for x, y in zip(got, ref, strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert a.state_dict() == b.state_dict() and "fingerprint" not in a.state_dict()
+    src = ShardSource(shard_dir)
+    assert src.shard_sizes == [8, 8, 8, 8, 5] and isinstance(src, SampleSource)
+    batch = src.read(ref[0]["id"].numpy())
+    assert torch.equal(batch["x"], ref[0]["x"])
+    assert torch.equal(torch.from_numpy(src.labels[ref[0]["id"].numpy()]), ref[0]["label"])
+
+
+def test_write_shards_converts_any_source(source, tmp_path):
+    src, field = source
+    root = write_shards(src, tmp_path / "tfs", samples_per_shard=10, batch_size=8,
+                        fields=[field])
+    shards = ShardSource(root)
+    assert len(shards) == N and shards.labels.tolist() == src.labels.tolist()
+    ids = np.arange(N)
+    assert torch.equal(shards.read(ids)[field], src.read(ids)[field])
+    batches = list(StreamingDataset(root, batch_size=6, seed=1, meta=True))
+    _check_contents(batches, field)
+    assert sorted(_ids(batches)) == list(range(N))
+    with pytest.raises(ValueError, match=r"has no labels .* pass default_label=<int>"):
+        write_shards(NumpySource({"x": np.zeros(3)}), tmp_path / "u", samples_per_shard=2)
+    root = write_shards(NumpySource({"x": np.zeros(3)}), tmp_path / "u", samples_per_shard=2,
+                        default_label=-1)
+    assert ShardSource(root).labels.tolist() == [-1, -1, -1]
+    with pytest.raises(ValueError, match=r"write_shards\(fields=...\): .* has no fields \['z'\]"):
+        write_shards(src, tmp_path / "z", samples_per_shard=10, fields=["z"])
+
+
+def test_write_shards_refuses_text_fields(tar_dir, tmp_path):
+    with pytest.raises(TypeError, match=r"field 'txt' must be a torch.Tensor or numpy array"):
+        write_shards(_tar(tar_dir), tmp_path, samples_per_shard=10)
+
+
+def test_dataset_errors_for_sources(npy_dir):
+    with pytest.raises(TypeError, match=r"StreamingDataset\(root=...\): expected a shard "
+                       r"directory or a SampleSource .* got list"):
+        StreamingDataset([1, 2], batch_size=2)
+    with pytest.raises(ValueError, match=r"on_corrupt='skip'.*NumpySource\(37 samples"):
+        StreamingDataset(_numpy(npy_dir), batch_size=2, on_corrupt="skip")
+    with pytest.raises(ValueError, match=r"verify: checksums are the \.tfs shards'"):
+        StreamingDataset(_numpy(npy_dir), batch_size=2).verify()
+
+
+# ------------------------------------------------------------------------- Arrow (pyarrow)
+@pytest.mark.parametrize("cls", [ParquetSource, HFDiskSource])
+def test_arrow_sources_without_pyarrow_say_so(cls, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    with pytest.raises(ImportError, match=rf"{cls.__name__} needs pyarrow, which is not "
+                       r"installed: pip install pyarrow"):
+        cls(tmp_path)
+
+
+def _arrow_table(pa, start, count):
+    ids = list(range(start, start + count))
+    return pa.table({"x": [[float(i)] * 3 for i in ids], "label": [i % 3 for i in ids],
+                     "name": [f"s{i}" for i in ids]})
+
+
+def _check_arrow_source(src):
+    assert len(src) == N and src.labels.tolist() == [i % 3 for i in range(N)]
+    b = src.read([30, 2, 17])
+    assert b["x"].tolist() == [[30.0] * 3, [2.0] * 3, [17.0] * 3] and b["name"] == ["s30", "s2",
+                                                                                       "s17"]
+    real = []
+    for rank in range(2):
+        ds = StreamingDataset(src, batch_size=4, seed=3, meta=True, world_size=2, rank=rank,
+                              policy="pad")
+        batches = list(StreamingLoader(ds, num_workers=2))
+        _check_contents(batches, "x")
+        assert _ids(batches) == _rank_stream(ds)
+        real += [int(i) for b in batches for i, p in zip(b["id"], b["padded"], strict=True)
+                 if not p]
+    assert sorted(real) == list(range(N))
+    full, _ = _resume_run(src, [(100, 2, 7)])
+    assert _resume_run(src, [(1, 2, 3), (2, 0, 5), (100, 1, 4)])[0] == full
+
+
+def test_parquet_source(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(_arrow_table(pa, 0, 20), tmp_path / "a.parquet", row_group_size=8)
+    pq.write_table(_arrow_table(pa, 20, N - 20), tmp_path / "b.parquet", row_group_size=8)
+    src = ParquetSource(tmp_path, label_column="label")
+    assert src.shard_sizes == [8, 8, 4, 8, 8, 1] and src.columns == ["x", "name"]
+    _check_arrow_source(src)
+    with pytest.raises(ValueError, match=r"label_column='y'\): no such column"):
+        ParquetSource(tmp_path, label_column="y")
+
+
+def test_hf_disk_source(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.ipc
+
+    files = []  # the layout of datasets' Dataset.save_to_disk: state.json + Arrow streams
+    for k, (start, count) in enumerate([(0, 25), (25, N - 25)]):
+        name = f"data-{k:05d}-of-00002.arrow"
+        table = _arrow_table(pa, start, count)
+        with pa.OSFile(str(tmp_path / name), "wb") as f, pyarrow.ipc.new_stream(
+                f, table.schema) as w:
+            w.write_table(table)
+        files.append({"filename": name})
+    (tmp_path / "state.json").write_text(json.dumps({"_data_files": files,
+                                                     "_fingerprint": "abc"}))
+    src = HFDiskSource(tmp_path)
+    assert src.shard_sizes == [25, N - 25]
+    _check_arrow_source(src)
