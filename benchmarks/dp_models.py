@@ -602,6 +602,17 @@ def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
     rows side by side; ratios never mix runs), the runs' devices and commands listed."""
     if not parts:
         raise SystemExit("--merge: no JSON files given")
+    flat = []  # a merged result (with "runs") splits back into its runs
+    for p in parts:
+        if "runs" not in p:
+            flat.append(p)
+            continue
+        for i, (device, command) in enumerate(p["runs"], 1):
+            rows = [{k: v for k, v in r.items() if k != "run"} for r in p["results"]
+                    if r.get("run") == i]
+            flat.append({**p, "device": device, "command": command, "results": rows,
+                         "errors": p["errors"] if i == 1 else []})
+    parts = flat
     out = dict(parts[0])
     out["runs"] = [(p["device"], p["command"]) for p in parts]
     out["device"] = ", ".join(dict.fromkeys(p["device"] for p in parts))
