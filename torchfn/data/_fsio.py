@@ -75,7 +75,7 @@ def open_binary(path: str) -> Any:
     if is_url(path):
         fs, p = url_fs(path)
         return fs.open(p, "rb")
-    return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    return open(path, "rb")
 
 
 def read_range(path: str, offset: int, n: int) -> bytes:

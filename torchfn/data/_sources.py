@@ -179,6 +179,7 @@ def write_shards(
     batch_size: int = 256,
     fields: Sequence[str] | None = None,
     default_label: int | None = None,
+    progress: bool = False,
     **writer_kwargs: Any,
 ) -> Path:
     """Returns ``root`` after writing every sample of ``source`` (in id order) as ``.tfs``
@@ -188,7 +189,9 @@ def write_shards(
     tensors or numbers (a field of strings or bytes is refused by ``ShardWriter``, naming it).
     ``fields`` selects fields (default all). A source without labels needs ``default_label``
     (the shards store one integer per sample).
-    ``writer_kwargs`` go to ``ShardWriter`` (``checksum``, ``ragged``).
+    ``writer_kwargs`` go to ``ShardWriter`` (``checksum``, ``ragged``). ``progress=True``
+    shows a progress bar on stderr when ``tqdm`` is installed (nothing otherwise). Writing is
+    one process, in id order.
 
     Example:
         >>> import tempfile, numpy as np
@@ -206,6 +209,7 @@ def write_shards(
             "label per sample; pass default_label=<int> to store that for every sample"
         )
     n = len(source)
+    bar = _progress_bar(n, f"write_shards -> {root}") if progress else None
     with ShardWriter(root, samples_per_shard=samples_per_shard, **writer_kwargs) as w:
         for a in range(0, n, batch_size):
             ids = np.arange(a, min(a + batch_size, n), dtype=np.int64)
@@ -221,7 +225,20 @@ def write_shards(
             for j, i in enumerate(ids.tolist()):
                 w.write({k: v[j] for k, v in batch.items()},
                         label=int(labels[i]) if labels is not None else int(default_label))
+            if bar is not None:
+                bar.update(len(ids))
+    if bar is not None:
+        bar.close()
     return Path(root)
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar on stderr, or None when tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="sample")
 
 
 # ---------------------------------------------------------------------- numpy
