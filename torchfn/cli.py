@@ -265,6 +265,11 @@ def _cmd_data_convert(args: argparse.Namespace) -> int:
     if args.samples_per_shard < 1:
         raise ValueError(f"--samples-per-shard must be >= 1; got {args.samples_per_shard}")
     src = open_source(args.src, format=args.format, label=args.label)
+    if src.labels is None and args.default_label is None:
+        raise ValueError(
+            f"{src.describe()} has no labels and .tfs shards store one integer label per "
+            "sample: name the labels with --label, or pass --default-label INT"
+        )
     write_shards(src, args.dst, samples_per_shard=args.samples_per_shard,
                  default_label=args.default_label, progress=not args.no_progress)
     shards = read_manifest(args.dst)["shards"]
