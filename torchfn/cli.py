@@ -251,11 +251,16 @@ def _cmd_data_verify(args: argparse.Namespace) -> int:
         print(f"CORRUPT {args.path}: {e}")
         return 1
     for gid, file, index, reason in report.bad:
-        print(f"CORRUPT {file} sample {index} (id {gid}): {reason}")
+        if index < 0:  # a file that could not be opened at all
+            print(f"CORRUPT {file}: {reason}")
+        else:
+            print(f"CORRUPT {file} sample {index} (id {gid}): {reason}")
     if report.ok:
         print(f"ok: {report.num_samples} samples verified in {args.path}")
         return 0
-    print(f"{len(report.bad)} of {report.num_samples} samples corrupt in {args.path}")
+    files = sum(1 for b in report.bad if b[2] < 0)
+    print(f"{len(report.bad) - files} of {report.num_samples} samples corrupt"
+          + (f", {files} files unreadable" if files else "") + f" in {args.path}")
     return 1
 
 

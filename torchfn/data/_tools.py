@@ -20,6 +20,7 @@ from ._sources import (
     ParquetSource,
     SampleSource,
     ShardSource,
+    TarError,
     TarSource,
     _progress_bar,
 )
@@ -268,7 +269,9 @@ def verify_source(
 
     ``.tfs``: ``verify_shards(full=True)`` (every checksum). Other formats: every sample is
     read and decoded (for tar, every member; the reason names the member and the sample's
-    key). A tar too damaged to open raises ``TarError`` (naming the file and member).
+    key). Tar files are opened one by one: a file too damaged to open (truncated, unreadable
+    header) is one entry with id and index ``-1`` and the ``TarError`` text, the others are
+    still verified (ids then count the samples of the files that opened).
 
     Example:
         >>> import tempfile, numpy as np
@@ -280,7 +283,23 @@ def verify_source(
     fmt = detect_format(p) if format == "auto" else format
     if fmt == "tfs":
         return verify_shards(p, full=True)
+    if fmt == "tar":
+        bad: list[tuple[int, str, int, str]] = []
+        total = 0
+        for f in expand(p, ".tar", "verify_source"):
+            try:
+                src = TarSource(f, label_ext="cls" if label is None else label)
+            except TarError as e:
+                bad.append((-1, f, -1, str(e)))
+                continue
+            bad += [(total + i, file, j, why) for i, file, j, why in _verify(src)]
+            total += len(src)
+        return VerifyReport(num_samples=total, bad=tuple(bad))
     src = open_source(p, format=fmt, label=label)
+    return VerifyReport(num_samples=len(src), bad=tuple(_verify(src)))
+
+
+def _verify(src: SampleSource) -> list[tuple[int, str, int, str]]:
     files = _files(src)
     per_file = len(files) == len(src.shard_sizes)
     starts = np.cumsum([0, *src.shard_sizes])
@@ -295,4 +314,4 @@ def verify_source(
             bad.append((i, files[u] if per_file else src.describe(),
                         i - int(starts[u]) if per_file else i,
                         f"{where}{type(e).__name__}: {e}"))
-    return VerifyReport(num_samples=len(src), bad=tuple(bad))
+    return bad
