@@ -292,3 +292,24 @@ def test_remote_npy_rows_and_errors(mem):
         a[np.array([23])]
     with pytest.raises(ValueError, match=r"not a readable \.npy file"):
         RemoteNpy(f"{mem}/tar/shard-000.tar")
+
+
+def test_file_urls_equal_local_paths(data):
+    pytest.importorskip("fsspec")
+    remote, local = TarSource(f"file://{data}/tar"), TarSource(str(data / "tar"))
+    assert remote.files[0].startswith("file://") and remote.fingerprint() == local.fingerprint()
+    assert torch.equal(remote.read([20, 2])["x.npy"], local.read([20, 2])["x.npy"])
+    npy = NumpySource({"x": f"file://{data}/npy/x.npy"})
+    assert npy.read([6])["x"].tolist() == [_x(6).tolist()]
+
+
+def test_urls_without_fsspec_say_so(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(ImportError, match=r"reading URLs needs fsspec, which is not installed: "
+                                          r"pip install fsspec"):
+        TarSource("memory://nowhere/a.tar")
+    with pytest.raises(ImportError, match=r"RemoteNpy\('memory://n/x.npy'\): reading URLs "
+                                          r"needs fsspec"):
+        NumpySource({"x": "memory://n/x.npy"})
