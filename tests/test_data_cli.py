@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import pickle
 import tarfile
 
@@ -70,6 +71,15 @@ def data(tmp_path):
 
     pq.write_table(pa.table({"x": [_x(i).tolist() for i in range(N)], "y": np.arange(N) % 3}),
                    tmp_path / "d.parquet", row_group_size=10)
+    import pyarrow.ipc
+
+    (tmp_path / "hf").mkdir()  # datasets' save_to_disk layout: state.json + Arrow streams
+    table = pa.table({"x": [_x(i).tolist() for i in range(N)], "label": np.arange(N) % 3})
+    with pa.OSFile(str(tmp_path / "hf" / "data-00000-of-00001.arrow"), "wb") as f, \
+            pyarrow.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (tmp_path / "hf" / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     write_shards(NumpySource({"x": np.stack([_x(i) for i in range(N)])},
                              labels=np.arange(N) % 3), tmp_path / "tfs", samples_per_shard=10)
     return tmp_path
@@ -77,7 +87,7 @@ def data(tmp_path):
 
 # (path under `data`, --label, field name)
 KINDS = {"tar": ("tar", None, "x.npy"), "npy": ("npy", "y", "x"),
-         "parquet": ("d.parquet", "y", "x"), "tfs": ("tfs", None, "x")}
+         "parquet": ("d.parquet", "y", "x"), "tfs": ("tfs", None, "x"), "hf": ("hf", None, "x")}
 
 
 def _args(kind, data):
@@ -107,7 +117,7 @@ def test_detect_inspect_and_stats(kind, data, capsys):
     assert "labels       0: 8, 1: 8, 2: 7" in out
 
 
-@pytest.mark.parametrize("kind", ["npy", "parquet", "tar"])
+@pytest.mark.parametrize("kind", ["hf", "npy", "parquet", "tar"])
 def test_convert_then_verify_round_trip(kind, data, capsys):
     dst = data / f"out-{kind}"
     rc, out, err = _run(capsys, ["data", "convert", *_args(kind, data), str(dst),
