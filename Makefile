@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,zoo,accounting,arrow]"
+	$(PY) -m pip install -q -e ".[dev,zoo,accounting,arrow,remote]"
 	touch $(STAMP)
 
 demo: $(STAMP)

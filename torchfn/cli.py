@@ -1,4 +1,5 @@
-"""The ``torchfn`` command: ``doctor``, ``demo``, ``build-ops`` and ``dp epsilon``."""
+"""The ``torchfn`` command: ``doctor``, ``demo``, ``build-ops``, ``dp epsilon`` and ``data``
+(``convert``, ``inspect``, ``verify``, ``stats``)."""
 
 from __future__ import annotations
 
@@ -188,6 +189,144 @@ def _cmd_dp_epsilon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _label_line(counts: dict[int, int] | None) -> str:
+    if counts is None:
+        return "none"
+    shown = ", ".join(f"{k}: {v}" for k, v in list(counts.items())[:20])
+    more = f", ... ({len(counts)} classes)" if len(counts) > 20 else f" ({len(counts)} classes)"
+    return shown + more
+
+
+def _data_errors() -> tuple[type[BaseException], ...]:
+    from torchfn.data import CorruptShardError, TarError
+
+    return (ValueError, TypeError, OSError, ImportError, IndexError, TarError,
+            CorruptShardError)
+
+
+def _cmd_data_inspect(args: argparse.Namespace) -> int:
+    from torchfn.data import inspect_source
+
+    info = inspect_source(args.path, format=args.format, label=args.label)
+    print(f"path      {info.path}")
+    print(f"format    {info.format}")
+    print(f"samples   {info.num_samples} in {info.num_units} units "
+          f"({len(info.files)} files, {_bytes(info.total_bytes)})")
+    print("fields    (sample 0)")
+    for k, v in info.fields.items():
+        print(f"  {k:<16} {v}")
+    print(f"labels    {_label_line(info.label_counts)}")
+    return 0
+
+
+def _cmd_data_stats(args: argparse.Namespace) -> int:
+    from torchfn.data import open_source, source_stats
+
+    src = open_source(args.path, format=args.format, label=args.label)
+    st = source_stats(src, progress=not args.no_progress)
+    print(f"samples      {st.num_samples}")
+    print(f"labels       {_label_line(st.label_counts)}")
+    print("field bytes  (decoded, all samples)")
+    for k, v in st.field_bytes.items():
+        print(f"  {k:<16} {v} ({_bytes(v)})")
+    print(f"sample bytes min {st.sample_bytes_min}, mean {st.sample_bytes_mean:.1f}, "
+          f"max {st.sample_bytes_max}")
+    return 0
+
+
+def _cmd_data_verify(args: argparse.Namespace) -> int:
+    from torchfn.data import CorruptShardError, TarError, verify_source
+
+    try:
+        report = verify_source(args.path, format=args.format, label=args.label)
+    except (TarError, CorruptShardError) as e:  # too damaged to open
+        print(f"CORRUPT {args.path}: {e}")
+        return 1
+    for gid, file, index, reason in report.bad:
+        if index < 0:  # a file that could not be opened at all
+            print(f"CORRUPT {file}: {reason}")
+        else:
+            print(f"CORRUPT {file} sample {index} (id {gid}): {reason}")
+    if report.ok:
+        print(f"ok: {report.num_samples} samples verified in {args.path}")
+        return 0
+    files = sum(1 for b in report.bad if b[2] < 0)
+    print(f"{len(report.bad) - files} of {report.num_samples} samples corrupt"
+          + (f", {files} files unreadable" if files else "") + f" in {args.path}")
+    return 1
+
+
+def _cmd_data_convert(args: argparse.Namespace) -> int:
+    from torchfn.data import open_source, read_manifest, write_shards
+
+    if args.samples_per_shard < 1:
+        raise ValueError(f"--samples-per-shard must be >= 1; got {args.samples_per_shard}")
+    src = open_source(args.src, format=args.format, label=args.label)
+    if src.labels is None and args.default_label is None:
+        raise ValueError(
+            f"{src.describe()} has no labels and .tfs shards store one integer label per "
+            "sample: name the labels with --label, or pass --default-label INT"
+        )
+    write_shards(src, args.dst, samples_per_shard=args.samples_per_shard,
+                 default_label=args.default_label, progress=not args.no_progress)
+    shards = read_manifest(args.dst)["shards"]
+    print(f"wrote {len(src)} samples from {src.describe()} as {len(shards)} .tfs shards "
+          f"in {args.dst}")
+    return 0
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    try:
+        return int(args.data_func(args))
+    except _data_errors() as e:
+        print(f"torchfn data {args.data_command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_data_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="data tools: `torchfn data convert|inspect|verify|stats ...`")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    formats = ("auto", "tfs", "tar", "npy", "parquet", "hf")
+
+    def common(q: argparse.ArgumentParser, path: str = "path") -> None:
+        q.add_argument(path, help="a .tfs shard directory, .tar file/directory, .npy "
+                                  "file/directory, .parquet file/directory or HF save_to_disk "
+                                  "directory; a local path, glob or fsspec URL (memory://, s3://)")
+        q.add_argument("--format", choices=formats, default="auto",
+                       help="the source format (default: auto, from the path)")
+        q.add_argument("--label", default=None,
+                       help="the labels: tar member extension (default cls), .npy array name, "
+                            "Parquet column, or HF column (default label)")
+
+    q = data_sub.add_parser("convert", help="write any source as .tfs shards")
+    common(q, "src")
+    q.add_argument("dst", help="the .tfs shard directory to write")
+    q.add_argument("--samples-per-shard", type=int, default=1024,
+                   help="samples per .tfs shard (default: 1024)")
+    q.add_argument("--default-label", type=int, default=None,
+                   help="the label stored for every sample of a source without labels")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.set_defaults(func=_run_data, data_func=_cmd_data_convert)
+    q = data_sub.add_parser("inspect", help="format, samples, fields, labels and sizes")
+    common(q)
+    q.set_defaults(func=_run_data, data_func=_cmd_data_inspect)
+    q = data_sub.add_parser("verify", help="read every sample; exit 1 naming corrupt ones")
+    common(q)
+    q.set_defaults(func=_run_data, data_func=_cmd_data_verify)
+    q = data_sub.add_parser("stats", help="class counts, bytes per field, sample sizes")
+    common(q)
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.set_defaults(func=_run_data, data_func=_cmd_data_stats)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchfn`` console command."""
     parser = argparse.ArgumentParser(prog="torchfn", description=__doc__)
@@ -219,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         'pip install "torchfn[accounting]") or prv (as tight as pld, no extra '
                         "dependency; prints the upper bound eps_upper)")
     p.set_defaults(func=_cmd_dp_epsilon)
+    _add_data_commands(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

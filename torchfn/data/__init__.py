@@ -5,6 +5,7 @@ from torchfn.data._audit import AuditReport as AuditReport
 from torchfn.data._audit import audit_plan as audit_plan
 from torchfn.data._episodic import EpisodicBatchSampler as EpisodicBatchSampler
 from torchfn.data._episodic import split_episode as split_episode
+from torchfn.data._fsio import RemoteNpy as RemoteNpy
 from torchfn.data._plan import Plan as Plan
 from torchfn.data._plan import global_order as global_order
 from torchfn.data._plan import plan as plan
@@ -30,17 +31,27 @@ from torchfn.data._stream import StreamingLoader as StreamingLoader
 from torchfn.data._stream import state_from_stateful_loader as state_from_stateful_loader
 from torchfn.data._stream_balance import StreamBalanceReport as StreamBalanceReport
 from torchfn.data._stream_balance import StreamClassBalancer as StreamClassBalancer
+from torchfn.data._tools import DataInfo as DataInfo
+from torchfn.data._tools import DataStats as DataStats
+from torchfn.data._tools import detect_format as detect_format
+from torchfn.data._tools import inspect_source as inspect_source
+from torchfn.data._tools import open_source as open_source
+from torchfn.data._tools import source_stats as source_stats
+from torchfn.data._tools import verify_source as verify_source
 
 __all__ = [
     "AuditReport",
     "Auditor",
     "ClassBalancedSampler",
     "CorruptShardError",
+    "DataInfo",
+    "DataStats",
     "EpisodicBatchSampler",
     "HFDiskSource",
     "NumpySource",
     "ParquetSource",
     "Plan",
+    "RemoteNpy",
     "SampleSource",
     "ShardReader",
     "ShardSource",
@@ -55,11 +66,16 @@ __all__ = [
     "audit_plan",
     "collate_values",
     "decode_member",
+    "detect_format",
     "global_order",
+    "inspect_source",
+    "open_source",
     "plan",
     "read_manifest",
+    "source_stats",
     "split_episode",
     "state_from_stateful_loader",
     "verify_shards",
+    "verify_source",
     "write_shards",
 ]

@@ -22,7 +22,6 @@ memory maps, ``.npy`` paths), ``TarSource`` (webdataset-style tar shards), and, 
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import io
 import json
@@ -35,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ._fsio import RemoteNpy, expand, file_size, is_url, open_binary, read_range
 from ._shards import ShardReader, read_manifest
 
 __all__ = [
@@ -179,6 +179,7 @@ def write_shards(
     batch_size: int = 256,
     fields: Sequence[str] | None = None,
     default_label: int | None = None,
+    progress: bool = False,
     **writer_kwargs: Any,
 ) -> Path:
     """Returns ``root`` after writing every sample of ``source`` (in id order) as ``.tfs``
@@ -188,7 +189,9 @@ def write_shards(
     tensors or numbers (a field of strings or bytes is refused by ``ShardWriter``, naming it).
     ``fields`` selects fields (default all). A source without labels needs ``default_label``
     (the shards store one integer per sample).
-    ``writer_kwargs`` go to ``ShardWriter`` (``checksum``, ``ragged``).
+    ``writer_kwargs`` go to ``ShardWriter`` (``checksum``, ``ragged``). ``progress=True``
+    shows a progress bar on stderr when ``tqdm`` is installed (nothing otherwise). Writing is
+    one process, in id order.
 
     Example:
         >>> import tempfile, numpy as np
@@ -206,6 +209,7 @@ def write_shards(
             "label per sample; pass default_label=<int> to store that for every sample"
         )
     n = len(source)
+    bar = _progress_bar(n, f"write_shards -> {root}") if progress else None
     with ShardWriter(root, samples_per_shard=samples_per_shard, **writer_kwargs) as w:
         for a in range(0, n, batch_size):
             ids = np.arange(a, min(a + batch_size, n), dtype=np.int64)
@@ -221,7 +225,20 @@ def write_shards(
             for j, i in enumerate(ids.tolist()):
                 w.write({k: v[j] for k, v in batch.items()},
                         label=int(labels[i]) if labels is not None else int(default_label))
+            if bar is not None:
+                bar.update(len(ids))
+    if bar is not None:
+        bar.close()
     return Path(root)
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar on stderr, or None when tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="sample")
 
 
 # ---------------------------------------------------------------------- numpy
@@ -229,7 +246,9 @@ class NumpySource:
     """Returns a ``SampleSource`` over equal-length arrays: ``{field: (n, *shape)}``.
 
     Values may be ``np.ndarray``, ``np.memmap`` or paths to ``.npy`` files (opened with
-    ``np.load(mmap_mode="r")``: only the rows a batch needs are read). ``labels``: ``(n,)``
+    ``np.load(mmap_mode="r")``: only the rows a batch needs are read). A path may be an
+    fsspec URL (``memory://``, ``file://``, ``s3://``, ...; needs ``fsspec``): the rows a
+    batch needs are then read as byte ranges (``RemoteNpy``). ``labels``: ``(n,)``
     integers, a ``.npy`` path, or the name of one of ``arrays`` (that array then becomes the
     batches' ``"label"`` instead of a field). Batches hold ``(b, *shape)`` tensors (copies);
     string arrays come back as lists of ``str``.
@@ -265,6 +284,8 @@ class NumpySource:
                 raise ValueError("NumpySource(labels=...): the labels are the only array")
         elif isinstance(labels, str | os.PathLike):
             labels = self._open("labels", labels)
+        if isinstance(labels, RemoteNpy):
+            labels = labels[:]
         lengths = {name: len(a) for name, a in self.arrays.items()}
         n = next(iter(lengths.values()))
         if len(set(lengths.values())) != 1:
@@ -287,12 +308,12 @@ class NumpySource:
         if isinstance(a, str | os.PathLike):
             self._paths[name] = str(a)
             try:
-                a = np.load(a, mmap_mode="r", allow_pickle=False)
+                a = _load_npy(str(a))
             except (OSError, ValueError) as e:
                 raise ValueError(
                     f"NumpySource: cannot open field {name!r} from {str(a)!r}: {e}"
                 ) from e
-        if not isinstance(a, np.ndarray):
+        if not isinstance(a, np.ndarray | RemoteNpy):
             raise TypeError(
                 f"NumpySource: field {name!r} must be an np.ndarray, np.memmap or .npy path, "
                 f"got {type(a).__name__}"
@@ -353,7 +374,14 @@ class NumpySource:
         self.__dict__.update(state)
         for k, v in self.arrays.items():
             if v is None:
-                self.arrays[k] = np.load(self._paths[k], mmap_mode="r", allow_pickle=False)
+                self.arrays[k] = _load_npy(self._paths[k])
+
+
+def _load_npy(path: str) -> np.ndarray | RemoteNpy:
+    """A local ``.npy`` memory-mapped; a URL read by byte ranges (``RemoteNpy``)."""
+    if is_url(path):
+        return RemoteNpy(path)
+    return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 # ---------------------------------------------------------------------- tar shards
@@ -387,25 +415,21 @@ _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz")
                (b"\x28\xb5\x2f\xfd", "zstd"))
 
 
+def _read_at(path: str, offset: int, n: int) -> bytes:
+    """Bytes ``[offset, offset + n)`` of a local file or URL (fewer at the end)."""
+    if is_url(path):
+        return read_range(path, offset, n)
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        return fh.read(n)
+
+
 class TarError(RuntimeError):
     """A tar shard is truncated or corrupt, or one of its members cannot be decoded."""
 
 
 def _expand(paths: Any, ext: str = ".tar", who: str = "TarSource") -> list[str]:
-    items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    out: list[str] = []
-    for p in items:
-        p = str(p)
-        if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, "*" + ext)))
-        elif any(c in p for c in "*?["):
-            found = sorted(glob.glob(p))
-        else:
-            found = [p]
-        if not found:
-            raise FileNotFoundError(f"{who}(paths={p!r}): no {ext} files match")
-        out += found
-    return out
+    return expand(paths, ext, who)
 
 
 class TarSource:
@@ -416,7 +440,9 @@ class TarSource:
     ``"input.npy"``, ...). ``paths``: a file, a directory (its ``*.tar``), a glob, or a list
     of those; shards are sorted by name within each glob and keep the list's order. Opening
     scans each shard's headers once and keeps the data offsets, so ``read`` is exact random
-    access (``os.pread``). Uncompressed tars only.
+    access (``os.pread``). Uncompressed tars only. Paths may be fsspec URLs (``memory://``,
+    ``file://``, ``s3://``, ...; needs ``fsspec``): members are then read as byte ranges
+    (``cat_file(path, start, end)``), a directory URL lists its ``*.tar``.
 
     ``decode(ext, data) -> value`` decodes members (default ``decode_member``). ``label_ext``
     (default ``"cls"``): when every sample has that member, its integer values become
@@ -457,11 +483,13 @@ class TarSource:
         self._samples: list[tuple[int, str, dict[str, tuple[str, int, int]]]] = []
         self.shard_sizes: list[int] = []
         sizes_bytes = []
+        label_bytes: list[bytes | None] = []
         for f, path in enumerate(self.files):
-            groups = self._index(path)
+            groups, labs = self._index(path, label_ext)
             self.shard_sizes.append(len(groups))
             self._samples += [(f, key, members) for key, members in groups.items()]
-            sizes_bytes.append(os.path.getsize(path))
+            label_bytes += [labs.get(key) for key in groups]
+            sizes_bytes.append(file_size(path))
         if not self._samples:
             raise ValueError(f"TarSource: no samples in {self.files}")
         exts0 = set(self._samples[0][2])
@@ -475,8 +503,9 @@ class TarSource:
         self.fields = sorted(exts0 - {label_ext}) if label_ext in exts0 else sorted(exts0)
         self.labels: np.ndarray | None = None
         if label_ext in exts0:
-            self.labels = np.asarray(
-                [self._decode_one(i, label_ext) for i in range(len(self._samples))], np.int64
+            self.labels = np.asarray(  # label bytes were read during the scan
+                [self._decode_one(i, label_ext, data) for i, data in enumerate(label_bytes)],
+                np.int64,
             )
         self._fp = _digest(
             [os.path.basename(p) for p in self.files], sizes_bytes,
@@ -484,10 +513,11 @@ class TarSource:
         )
 
     @staticmethod
-    def _index(path: str) -> dict[str, dict[str, tuple[str, int, int]]]:
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
-            head = fh.read(10)
+    def _index(
+        path: str, label_ext: str | None
+    ) -> tuple[dict[str, dict[str, tuple[str, int, int]]], dict[str, bytes]]:
+        size = file_size(path)
+        head = _read_at(path, 0, 10)
         for magic, kind in _COMPRESSED:
             if head.startswith(magic) and (kind != "bzip2" or head[4:] == b"1AY&SY"):
                 raise TarError(
@@ -495,10 +525,11 @@ class TarSource:
                     f"uncompressed tar (decompress it once, e.g. with the {kind} tool)"
                 )
         groups: dict[str, dict[str, tuple[str, int, int]]] = {}
+        labels: dict[str, bytes] = {}
         last = None
         end = 0
         try:
-            with tarfile.open(path, "r:") as tf:
+            with open_binary(path) as fh, tarfile.open(fileobj=fh, mode="r:") as tf:
                 for info in tf:
                     last = info.name
                     end = info.offset_data + -(-info.size // 512) * 512
@@ -520,6 +551,8 @@ class TarSource:
                             f"TarSource: {path!r} has member {info.name!r} twice"
                         )
                     members[ext] = (info.name, info.offset_data, info.size)
+                    if ext == label_ext:  # tiny; read now, not in a second pass
+                        labels[key] = tf.extractfile(info).read()
         except tarfile.ReadError as e:
             raise TarError(
                 f"TarSource: cannot read {path!r} as an uncompressed tar "
@@ -527,21 +560,24 @@ class TarSource:
             ) from None
         # tarfile stops silently at a header it cannot parse; a complete archive has the
         # end-of-archive marker (two zero blocks) right after the last member
-        with open(path, "rb") as fh:
-            fh.seek(end)
-            tail = fh.read(1024)
+        tail = _read_at(path, end, 1024)
         if len(tail) < 1024 or any(tail):
             what = "no end-of-archive marker" if not any(tail) else "an unreadable tar header"
             raise TarError(
                 f"TarSource: {path!r} is truncated or corrupt: {what} at byte {end}, after "
                 f"member {last!r}"
             )
-        return groups
+        return groups, labels
 
     def __len__(self) -> int:
         return len(self._samples)
 
     def _bytes(self, f: int, off: int, n: int) -> bytes:
+        if is_url(self.files[f]):
+            data = read_range(self.files[f], off, n)
+            if len(data) != n:
+                raise TarError(f"TarSource: {self.files[f]!r} shrank while reading (offset {off})")
+            return data
         fd = self._fds.get(f)
         if fd is None:
             fd = self._fds[f] = os.open(self.files[f], os.O_RDONLY)
@@ -550,10 +586,11 @@ class TarSource:
             raise TarError(f"TarSource: {self.files[f]!r} shrank while reading (offset {off})")
         return data
 
-    def _decode_one(self, i: int, ext: str) -> Any:
+    def _decode_one(self, i: int, ext: str, data: bytes | None = None) -> Any:
         f, _key, members = self._samples[i]
         name, off, n = members[ext]
-        data = self._bytes(f, off, n)
+        if data is None:
+            data = self._bytes(f, off, n)
         try:
             return self.decode(ext, data)
         except Exception as e:
@@ -694,11 +731,18 @@ class _ArrowSource:
         return {**self.__dict__, "_cache": None}
 
 
+def _parquet_file(pa: Any, path: str) -> Any:
+    # a URL is read through an fsspec file object (pyarrow reads the footer and the row
+    # groups it needs as byte ranges)
+    return pa.parquet.ParquetFile(open_binary(path) if is_url(path) else path)
+
+
 class ParquetSource(_ArrowSource):
     """Returns a ``SampleSource`` over Parquet files (needs ``pyarrow``); row groups are the
     locality units (``shard_sizes``), read whole and cached one at a time.
 
-    ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list. ``columns``: the
+    ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list (local paths or
+    fsspec URLs, e.g. ``memory://``, ``s3://``; URLs need ``fsspec``). ``columns``: the
     fields (default all but ``label_column``); ``label_column``: an integer column that becomes
     ``labels``. Numeric columns and lists of numbers of one shape become tensors, others lists.
 
@@ -719,7 +763,7 @@ class ParquetSource(_ArrowSource):
         self._units: list[tuple[int, int]] = []
         rows, schema, meta = [], None, []
         for f, path in enumerate(self.files):
-            pf = pa.parquet.ParquetFile(path)
+            pf = _parquet_file(pa, path)
             if schema is None:
                 schema = pf.schema_arrow
             elif not pf.schema_arrow.equals(schema):
@@ -734,7 +778,7 @@ class ParquetSource(_ArrowSource):
                 rows.append(md.row_group(g).num_rows)
 
         def labels_of() -> Any:
-            cols = [pa.parquet.read_table(p, columns=[label_column]).column(0)
+            cols = [_parquet_file(pa, p).read(columns=[label_column]).column(0)
                     for p in self.files]
             return pa.chunked_array([c for col in cols for c in col.chunks],
                                     type=schema.field(label_column).type)
@@ -745,7 +789,7 @@ class ParquetSource(_ArrowSource):
     def _table(self, unit: int) -> Any:
         pa = _pyarrow(self._who)
         f, g = self._units[unit]
-        return pa.parquet.ParquetFile(self.files[f]).read_row_group(g, columns=self.columns)
+        return _parquet_file(pa, self.files[f]).read_row_group(g, columns=self.columns)
 
     def fingerprint(self) -> str:
         return self._fp
