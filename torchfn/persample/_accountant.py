@@ -575,7 +575,23 @@ def _check_history(entries: Any, where: str) -> list[tuple[float, float, int]]:
     return history
 
 
-class RDPAccountant:
+class _StepHistory:
+    """What every accountant keeps: the merged step history, recorded by :meth:`step`."""
+
+    _history: list[tuple[float, float, int]]
+
+    @property
+    def history(self) -> tuple[tuple[float, float, int], ...]:
+        """The ``(noise_multiplier, sample_rate, steps)`` entries recorded so far."""
+        return tuple(self._history)
+
+    def step(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        """Record ``steps`` DP-SGD steps with this noise multiplier and sample rate (mutates)."""
+        _record_steps(self._history, noise_multiplier, sample_rate, steps,
+                      f"{type(self).__name__}.step")
+
+
+class RDPAccountant(_StepHistory):
     """Tracks the RDP of a DP-SGD run and returns its (epsilon, delta) guarantee.
 
     State is the step history: a tuple of ``(noise_multiplier, sample_rate, steps)`` entries
@@ -623,20 +639,11 @@ class RDPAccountant:
         """``"improved"`` or ``"classic"``."""
         return self._conversion
 
-    @property
-    def history(self) -> tuple[tuple[float, float, int], ...]:
-        """The ``(noise_multiplier, sample_rate, steps)`` entries recorded so far."""
-        return tuple(self._history)
-
     def __repr__(self) -> str:
         return (
             f"RDPAccountant(history={self.history}, conversion={self._conversion!r}, "
             f"n_orders={self._orders.size})"
         )
-
-    def step(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        """Record ``steps`` DP-SGD steps with this noise multiplier and sample rate (mutates)."""
-        _record_steps(self._history, noise_multiplier, sample_rate, steps, "RDPAccountant.step")
 
     def get_rdp(self) -> np.ndarray:
         """Return the composed RDP of the recorded history at each order, shape ``(n_orders,)``."""

@@ -26,7 +26,7 @@ from torchfn.persample._accountant import (
     _check_sample_rate,
     _check_state,
     _check_steps,
-    _record_steps,
+    _StepHistory,
 )
 
 __all__ = ["PLDAccountant", "pld_epsilon"]
@@ -125,7 +125,7 @@ def pld_epsilon(
     return _pld_epsilon(((sigma, q, steps),), delta, interval, where)
 
 
-class PLDAccountant:
+class PLDAccountant(_StepHistory):
     """Tracks a DP-SGD run with privacy loss distributions and returns its (epsilon, delta).
 
     The same interface as :class:`torchfn.persample.RDPAccountant` (``step``, ``history``,
@@ -163,20 +163,11 @@ class PLDAccountant:
         """The privacy-loss grid spacing of the PLD."""
         return self._interval
 
-    @property
-    def history(self) -> tuple[tuple[float, float, int], ...]:
-        """The ``(noise_multiplier, sample_rate, steps)`` entries recorded so far."""
-        return tuple(self._history)
-
     def __repr__(self) -> str:
         return (
             f"PLDAccountant(history={self.history}, "
             f"value_discretization_interval={self._interval!r})"
         )
-
-    def step(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        """Record ``steps`` DP-SGD steps with this noise multiplier and sample rate (mutates)."""
-        _record_steps(self._history, noise_multiplier, sample_rate, steps, "PLDAccountant.step")
 
     def get_epsilon(self, delta: float) -> float:
         """Return epsilon of the recorded history at this ``delta`` (a Python float)."""

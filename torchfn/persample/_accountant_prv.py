@@ -89,7 +89,7 @@ from torchfn.persample._accountant import (
     _check_sample_rate,
     _check_state,
     _check_steps,
-    _record_steps,
+    _StepHistory,
 )
 
 __all__ = ["PRVAccountant", "PRVEpsilon", "prv_epsilon"]
@@ -438,7 +438,7 @@ def prv_epsilon(
     return _prv_bounds(((sigma, q, steps),), delta, eps_error, delta_error, where).upper
 
 
-class PRVAccountant:
+class PRVAccountant(_StepHistory):
     """Tracks a DP-SGD run with privacy random variables and returns its (epsilon, delta).
 
     The same interface as :class:`torchfn.persample.RDPAccountant` and
@@ -485,20 +485,11 @@ class PRVAccountant:
         """The part of delta spent on error bounds (``None``: ``delta / 1000``)."""
         return self._delta_error
 
-    @property
-    def history(self) -> tuple[tuple[float, float, int], ...]:
-        """The ``(noise_multiplier, sample_rate, steps)`` entries recorded so far."""
-        return tuple(self._history)
-
     def __repr__(self) -> str:
         return (
             f"PRVAccountant(history={self.history}, eps_error={self._eps_error!r}, "
             f"delta_error={self._delta_error!r})"
         )
-
-    def step(self, *, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        """Record ``steps`` DP-SGD steps with this noise multiplier and sample rate (mutates)."""
-        _record_steps(self._history, noise_multiplier, sample_rate, steps, "PRVAccountant.step")
 
     def get_epsilon_bounds(self, delta: float) -> PRVEpsilon:
         """Return ``PRVEpsilon(low, estimate, upper)`` of the recorded history at ``delta``."""
