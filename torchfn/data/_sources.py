@@ -805,9 +805,19 @@ class HFDiskSource(_ArrowSource):
     ``path``: the directory holding ``state.json`` (for a ``DatasetDict``, the split's
     directory, e.g. ``path/train``). ``label_column`` defaults to ``"label"`` when present.
 
-    Example:
-        >>> src = HFDiskSource("mnist_saved/train")  # doctest: +SKIP
-        >>> src.read([0])["image"]  # doctest: +SKIP
+    Example (the layout ``save_to_disk`` writes: ``state.json`` naming Arrow stream files)::
+
+        >>> import json, os, tempfile, pyarrow as pa, pyarrow.ipc
+        >>> d = tempfile.mkdtemp()
+        >>> table = pa.table({"x": [[0.0, 1.0], [2.0, 3.0]], "label": [1, 0]})
+        >>> with pa.OSFile(os.path.join(d, "data-00000-of-00001.arrow"), "wb") as f:
+        ...     with pyarrow.ipc.new_stream(f, table.schema) as w:
+        ...         w.write_table(table)
+        >>> with open(os.path.join(d, "state.json"), "w") as f:
+        ...     json.dump({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}, f)
+        >>> src = HFDiskSource(d)
+        >>> len(src), src.labels.tolist(), src.read([1])["x"].tolist()
+        (2, [1, 0], [[2.0, 3.0]])
     """
 
     _who = "HFDiskSource"
