@@ -28,22 +28,32 @@ from torchfn.distributed._meta import shard_tasks as shard_tasks
 from torchfn.distributed._reduce import all_gather_tree as all_gather_tree
 from torchfn.distributed._reduce import all_reduce_tree as all_reduce_tree
 from torchfn.distributed._reduce import make_grad_reducer as make_grad_reducer
+from torchfn.distributed._sharded import ShardLayout as ShardLayout
+from torchfn.distributed._sharded import init_sharded_state as init_sharded_state
+from torchfn.distributed._sharded import load_sharded_checkpoint as load_sharded_checkpoint
+from torchfn.distributed._sharded import make_sharded_train_step as make_sharded_train_step
+from torchfn.distributed._sharded import save_sharded_checkpoint as save_sharded_checkpoint
 
 __all__ = [
     "DistInfo",
     "DistributedDPStep",
+    "ShardLayout",
     "all_gather_tree",
     "all_reduce_clipped_sum",
     "all_reduce_tree",
     "gather_members",
     "init_from_env",
+    "init_sharded_state",
     "load_ensemble_shard",
+    "load_sharded_checkpoint",
     "make_data_parallel_train_step",
     "make_distributed_meta_train_step",
     "make_grad_reducer",
+    "make_sharded_train_step",
     "member_range",
     "save_checkpoint_once",
     "save_ensemble_gathered",
+    "save_sharded_checkpoint",
     "shard_members",
     "shard_poisson_sample",
     "shard_tasks",

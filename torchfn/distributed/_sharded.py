@@ -1,0 +1,435 @@
+"""Sharded (ZeRO-3 style) training: params and optimizer state split over the ranks.
+
+Every parameter is flattened and padded to ``W * c`` elements (``c = ceil(numel / W)``); rank
+``r`` keeps elements ``[r c, (r + 1) c)`` -- the chunking of ``torch.chunk`` and of DTensor's
+``Shard(0)`` -- and the optimizer state of that slice only. A step all-gathers the params
+(one collective per dtype), computes the gradient of its local batch on the full params,
+reduce-scatters it (sum, then ``/ W``; one collective per dtype), and updates its own slice
+through the one step core :func:`torchfn.functional.apply_gradients`. Global-norm clipping and
+the non-finite guard need the whole gradient: one small all-reduce carries the squared norms,
+the loss and the buffers, so every rank clips and skips alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torchopt.base import GradientTransformation
+
+from torchfn._checks import _replace
+from torchfn.distributed._env import world_info
+from torchfn.distributed._reduce import _group, _materialise, all_reduce_tree
+from torchfn.functional import (
+    StepOptions,
+    TrainState,
+    apply_gradients,
+    check_optimizer,
+    init_train_state,
+    split_batch,
+    step_rng,
+)
+
+__all__ = ["ShardLayout", "init_sharded_state", "load_sharded_checkpoint",
+           "make_sharded_train_step", "save_sharded_checkpoint"]
+
+TensorDict = dict[str, Tensor]
+Batch = tuple[Any, Any]
+_RANK_SALT = 1_000_003
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How each parameter is split over the ranks of ``group``: names, shapes, dtypes, chunks.
+
+    Build it with :meth:`from_params` (a collective-free call; every rank passes params of the
+    same names, shapes and dtypes). Param ``name`` of shape ``shape`` (``n`` elements) becomes a
+    flat ``(chunk(name),)`` shard per rank, ``chunk = ceil(n / world_size)``; the last ranks'
+    shards are zero-padded past ``n``.
+
+    Example::
+
+        layout = ShardLayout.from_params({"w": torch.zeros(3, 5)})   # 2 ranks
+        layout.chunk("w"), layout.shard({"w": torch.arange(15.).view(3, 5)})["w"]
+        # (8, tensor([0., 1., ..., 7.]))  on rank 0; rank 1: [8., ..., 14., 0.]
+    """
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    rank: int
+    world_size: int
+    group: ProcessGroup | None = None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Tensor], *,
+                    group: ProcessGroup | None = None) -> ShardLayout:
+        """Return the layout of ``params`` (a ``dict[str, Tensor]``, full shapes) over ``group``."""
+        rank, world = world_info(group, "ShardLayout.from_params")
+        if not isinstance(params, Mapping) or not params:
+            raise TypeError("ShardLayout.from_params(params): expected a non-empty dict of "
+                            f"tensors, got {params!r:.80}")
+        for k, v in params.items():
+            if not isinstance(v, Tensor) or not v.is_floating_point():
+                raise TypeError(f"ShardLayout.from_params(params): expected floating-point "
+                                f"tensors, got {type(v).__name__} "
+                                f"{getattr(v, 'dtype', '')} at {k!r}")
+        return cls({k: tuple(v.shape) for k, v in params.items()},
+                   {k: v.dtype for k, v in params.items()}, rank, world, group)
+
+    def numel(self, name: str) -> int:
+        """Return the number of elements of the full param ``name``."""
+        return math.prod(self.shapes[name])
+
+    def chunk(self, name: str) -> int:
+        """Return the length of every rank's flat shard of ``name``: ``ceil(numel / world)``."""
+        return -(-self.numel(name) // self.world_size)
+
+    def valid(self, name: str, rank: int | None = None) -> int:
+        """Return how many of ``rank``'s shard elements of ``name`` are real (not padding)."""
+        r = self.rank if rank is None else rank
+        c = self.chunk(name)
+        return max(0, min(c, self.numel(name) - r * c))
+
+    def shard(self, params: Mapping[str, Tensor]) -> TensorDict:
+        """Return this rank's flat ``(chunk,)`` shard of every full param in ``params``."""
+        self._check_full(params, "ShardLayout.shard(params)")
+        out = {}
+        for k, v in params.items():
+            c = self.chunk(k)
+            flat = torch.nn.functional.pad(v.detach().reshape(-1),
+                                           (0, c * self.world_size - v.numel()))
+            out[k] = flat[self.rank * c:(self.rank + 1) * c].clone()
+        return out
+
+    def gather(self, shards: Mapping[str, Tensor]) -> TensorDict:
+        """Return the full params (their shapes) from every rank's shards; a collective."""
+        self.check_shards(shards, "ShardLayout.gather(shards)")
+        pg = _group(self.group)
+        out: TensorDict = {}
+        for names in self._by_dtype():
+            flat = torch.cat([shards[k] for k in names])
+            gathered = _materialise(_all_gather(flat, 0, pg)).view(self.world_size, -1)
+            for k, part in zip(names, gathered.split([self.chunk(k) for k in names], dim=1),
+                               strict=True):
+                out[k] = part.reshape(-1)[:self.numel(k)].view(self.shapes[k])
+        return {k: out[k] for k in self.shapes}
+
+    def reduce_scatter_mean(self, grads: Mapping[str, Tensor]) -> TensorDict:
+        """Return this rank's shard of the mean over ranks of full-shaped ``grads``."""
+        pg = _group(self.group)
+        out: TensorDict = {}
+        for names in self._by_dtype():
+            rows = [torch.nn.functional.pad(grads[k].reshape(-1),
+                                            (0, self.chunk(k) * self.world_size
+                                             - self.numel(k))).view(self.world_size, -1)
+                    for k in names]
+            flat = torch.cat(rows, dim=1).reshape(-1)
+            mine = _materialise(_reduce_scatter(flat, "sum", 0, pg)) / self.world_size
+            for k, part in zip(names, mine.split([self.chunk(k) for k in names]), strict=True):
+                out[k] = part
+        return {k: out[k] for k in self.shapes}
+
+    def check_shards(self, shards: Mapping[str, Tensor], where: str) -> None:
+        """Raise ``ValueError`` unless ``shards`` are this layout's flat shards."""
+        if list(shards) != list(self.shapes):
+            raise ValueError(f"{where}: expected shards of the params {list(self.shapes)} "
+                             f"(in that order), got {list(shards)}")
+        for k, v in shards.items():
+            if tuple(v.shape) != (self.chunk(k),) or v.dtype != self.dtypes[k]:
+                raise ValueError(
+                    f"{where}: param {k!r} should be a flat shard of shape ({self.chunk(k)},) "
+                    f"and dtype {self.dtypes[k]} (full shape {self.shapes[k]} over "
+                    f"{self.world_size} ranks), got shape {tuple(v.shape)} and dtype "
+                    f"{v.dtype}; build the state with init_sharded_state and the same layout")
+
+    def _check_full(self, params: Mapping[str, Tensor], where: str) -> None:
+        seen = {k: tuple(v.shape) for k, v in params.items()}
+        if seen != self.shapes:
+            raise ValueError(f"{where}: expected full params of shapes {self.shapes}, got {seen}")
+
+    def _by_dtype(self) -> list[list[str]]:
+        groups: dict[torch.dtype, list[str]] = {}
+        for k in self.shapes:
+            groups.setdefault(self.dtypes[k], []).append(k)
+        return list(groups.values())
+
+
+def init_sharded_state(params: TensorDict, buffers: TensorDict,
+                       optimizer: GradientTransformation, layout: ShardLayout, *,
+                       seed: int | Tensor) -> TrainState:
+    """Return a :class:`TrainState` whose ``params`` and ``opt_state`` are this rank's shards.
+
+    ``params`` are the full params (the same on every rank, e.g. from one seed), ``layout``
+    is ``ShardLayout.from_params(params)``. The state's ``params[name]`` is the flat
+    ``(layout.chunk(name),)`` shard, ``opt_state`` is ``optimizer.init`` of those shards (Adam's
+    moments are sharded alike; the count is replicated); ``buffers``, ``step`` and ``seed``
+    are replicated. Memory per rank: about ``1 / W`` of the params and the optimizer state.
+
+    Example::
+
+        layout = ShardLayout.from_params(params)
+        state = init_sharded_state(params, {}, adam(1e-3), layout, seed=0)
+        state.params["w"].shape   # (ceil(numel(w) / W),)
+    """
+    check_optimizer(optimizer, "init_sharded_state")
+    return init_train_state(layout.shard(params), buffers, optimizer, seed=seed)
+
+
+def _call(model_fn: Callable[..., Any], params: TensorDict, buffers: TensorDict,
+          x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return model_fn(params, buffers, **x)
+    return model_fn(params, buffers, x)
+
+
+_REFUSED = {
+    "amp": "mixed precision is not sharded yet (the fp16 loss scale and bf16 autocast are "
+           "untested here); use make_data_parallel_train_step(amp=...)",
+    "trainable": "frozen params are not sharded yet; every param is trained",
+    "grad_transform": "the sharded step sets its own gradient reduction (reduce-scatter)",
+    "loss_scaler": "mixed precision is not sharded yet",
+}
+
+
+def make_sharded_train_step(
+    model_fn: Callable[..., Any],
+    loss_fn: Callable[[Any, Any], Tensor],
+    optimizer: GradientTransformation,
+    layout: ShardLayout,
+    *,
+    grad_accum_steps: int = 1,
+    max_grad_norm: float | None = None,
+    clip_value: float | None = None,
+    lr_schedule: Any = None,
+    skip_nonfinite: bool = True,
+    sync_buffers: bool = True,
+    seed_rng: bool = True,
+    **unsupported: Any,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Tensor]]]:
+    """Return ``step(state, local_batch) -> (new_state, metrics)`` with sharded params and state.
+
+    The same update as :func:`make_data_parallel_train_step` (and as one process over the
+    global batch), with ``state`` from :func:`init_sharded_state`: ``state.params[name]`` is
+    this rank's flat ``(layout.chunk(name),)`` shard. Each rank passes its own ``local_batch``
+    of ``B / W`` examples. Per step and per dtype: one all-gather of the params (``P``
+    elements in all), one reduce-scatter of the gradient (``P``), and one small all-reduce
+    (loss, two squared norms, the float buffers). ``model_fn(params, buffers, x)`` sees the
+    full params in their shapes; ``loss_fn`` is mean-reduced.
+
+    - ``grad_accum_steps``, ``max_grad_norm``, ``clip_value`` (elementwise, before the norm
+      clip), ``lr_schedule``, ``skip_nonfinite``: as in :func:`torchfn.functional.make_train_step`;
+      the norm and the non-finite guard are those of the whole averaged gradient, so every rank
+      clips by the same factor and skips the same steps.
+    - ``sync_buffers`` averages float buffers over the ranks (as the data-parallel step).
+    - ``seed_rng`` (eager): rank ``r`` draws its randomness from ``seed + r * 1000003``.
+    - Not supported (``TypeError`` at build time): ``amp``, ``loss_scaler``, ``trainable``,
+      ``grad_transform``.
+
+    ``metrics``: ``loss`` (mean over ranks), ``grad_norm`` (global, before clipping),
+    ``skipped`` (when guarded), ``lr`` if asked.
+
+    Example::
+
+        layout = ShardLayout.from_params(params)
+        state = init_sharded_state(params, {}, opt, layout, seed=0)
+        step = make_sharded_train_step(model_fn, loss_fn, opt, layout, max_grad_norm=1.0)
+        state, metrics = step(state, (x_local, y_local))
+        full = layout.gather(state.params)          # the whole params, on every rank
+    """
+    where = "make_sharded_train_step"
+    for key in unsupported:
+        if key in _REFUSED:
+            raise TypeError(f"{where}({key}=...): {_REFUSED[key]}")
+        raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+    check_optimizer(optimizer, where)
+    if not isinstance(layout, ShardLayout):
+        raise TypeError(f"{where}(layout=...): expected a ShardLayout "
+                        f"(ShardLayout.from_params(params)), got {type(layout).__name__}")
+    # validates the shared settings; the clipping itself happens here (it needs the global norm)
+    StepOptions(grad_accum_steps=grad_accum_steps, lr_schedule=lr_schedule,
+                max_grad_norm=max_grad_norm, clip_value=clip_value,
+                skip_nonfinite=skip_nonfinite, where=where)
+    core = StepOptions(lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite, where=where)
+    rank, world = world_info(layout.group, where)
+    k = grad_accum_steps
+
+    def forward_backward(full: TensorDict, buffers: TensorDict, x: Any, y: Any):
+        def objective(p: TensorDict) -> tuple[Tensor, TensorDict]:
+            out, new_buffers = _call(model_fn, p, buffers, x)
+            loss = loss_fn(out, y)
+            if not isinstance(loss, Tensor) or loss.ndim != 0:
+                raise ValueError(f"sharded train step: loss_fn(outputs, targets) must return "
+                                 f"a 0-d tensor, got {getattr(loss, 'shape', type(loss))}")
+            return loss, new_buffers
+
+        return torch.func.grad_and_value(objective, has_aux=True)(full)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
+        layout.check_shards(state.params, "sharded train step: state.params")
+        if not isinstance(batch, tuple) or len(batch) != 2:
+            raise TypeError("sharded train step: batch must be a tuple (inputs, targets)")
+        full = layout.gather(state.params)
+        use_rng = seed_rng and not torch.compiler.is_compiling()
+        rng_state = _replace(state, seed=state.seed + _RANK_SALT * rank) if rank else state
+        ctx = step_rng(rng_state) if use_rng else contextlib.nullcontext()
+        buffers, grads, losses = state.buffers, None, []
+        with ctx:
+            for x, y in split_batch(batch, k, "sharded train step"):
+                g, (loss, buffers) = forward_backward(full, buffers, x, y)
+                grads = g if grads is None else {n: grads[n] + g[n] for n in g}
+                losses.append(loss)
+        assert grads is not None
+        if k > 1:
+            grads = {n: t / k for n, t in grads.items()}
+        shard = layout.reduce_scatter_mean(grads)
+        clipped = ({n: t.clamp(-clip_value, clip_value) for n, t in shard.items()}
+                   if clip_value is not None else shard)
+
+        def sumsq(tree: TensorDict) -> Tensor:
+            return torch.stack([t.double().square().sum() for t in tree.values()]).sum()
+
+        small = {"loss": torch.stack(losses).mean().detach().double(),
+                 "sumsq": sumsq(shard), "sumsq_clipped": sumsq(clipped)}
+        if sync_buffers:
+            small.update({f"buffer/{n}": v for n, v in buffers.items()
+                          if torch.is_floating_point(v)})
+        red = all_reduce_tree(small, op="sum", group=layout.group)
+        loss = (red["loss"] / world).to(losses[0].dtype)
+        if sync_buffers:
+            buffers = {n: red[f"buffer/{n}"] / world if f"buffer/{n}" in red else v
+                       for n, v in buffers.items()}
+        grad_norm = red["sumsq"].sqrt()
+        if max_grad_norm is not None:
+            coef = torch.clamp(max_grad_norm / (red["sumsq_clipped"].sqrt() + 1e-6), max=1.0)
+            clipped = {n: t * coef.to(t.dtype) for n, t in clipped.items()}
+        # the guard inside apply_gradients sees this rank's shard only: a non-finite global
+        # norm (or loss) is passed as a NaN loss, so every rank skips the same steps
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
+        guard_loss = torch.where(finite, loss, torch.full_like(loss, float("nan")))
+        new_state, metrics = apply_gradients(optimizer, clipped, state, options=core,
+                                             loss=guard_loss, buffers=buffers,
+                                             where="sharded train step")
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm.to(loss.dtype)}
+        return new_state, metrics
+
+    return step
+
+
+# -- checkpoints through torch.distributed.checkpoint -------------------------------------------
+
+
+def _mesh(layout: ShardLayout, device_type: str) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(_group(layout.group), device_type)
+
+
+def _dtensor(t: Tensor, name: str, layout: ShardLayout, mesh: Any) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+
+    n = layout.numel(name)
+    return DTensor.from_local(t[:layout.valid(name)], mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size([n]), stride=(1,))
+
+
+def _opt_leaves(opt_state: Any, layout: ShardLayout) -> tuple[list[str], list[Any],
+                                                              list[str | None], Any]:
+    paths, leaves, spec = optree.tree_flatten_with_path(opt_state, none_is_leaf=False,
+                                                        namespace="torchopt")
+    keys, owners = [], []
+    for path, leaf in zip(paths, leaves, strict=True):
+        keys.append("/".join(str(p) for p in path))
+        name = path[-1] if path and isinstance(path[-1], str) else None
+        sharded = (name in layout.shapes and isinstance(leaf, Tensor)
+                   and tuple(leaf.shape) == (layout.chunk(name),))
+        owners.append(name if sharded else None)
+    return keys, leaves, owners, spec
+
+
+def _state_dict(state: TrainState, layout: ShardLayout) -> dict[str, Any]:
+    layout.check_shards(state.params, "sharded checkpoint: state.params")
+    mesh = _mesh(layout, next(iter(state.params.values())).device.type)
+    keys, leaves, owners, _ = _opt_leaves(state.opt_state, layout)
+    opt = {key: (_dtensor(leaf, name, layout, mesh) if name is not None else leaf)
+           for key, leaf, name in zip(keys, leaves, owners, strict=True)
+           if isinstance(leaf, Tensor)}
+    sd: dict[str, Any] = {
+        "params": {n: _dtensor(t, n, layout, mesh) for n, t in state.params.items()},
+        "opt_state": opt, "buffers": dict(state.buffers), "step": state.step,
+        "seed": state.seed, "loss_scale": {"scale": state.loss_scale.scale,
+                                           "growth_tracker": state.loss_scale.growth_tracker}}
+    if state.skipped is not None:
+        sd["skipped"] = state.skipped
+    return sd
+
+
+def save_sharded_checkpoint(path: str | os.PathLike[str], state: TrainState,
+                            layout: ShardLayout) -> None:
+    """Write a sharded ``state`` to the directory ``path`` with ``torch.distributed.checkpoint``.
+
+    A collective: every rank calls it and writes its own shards. Params and sharded optimizer
+    leaves are saved as DTensors of their full flat ``(numel,)`` length (``Shard(0)``), so
+    :func:`load_sharded_checkpoint` reads them back at any world size (resharding); replicated
+    leaves (buffers, step, seed, Adam's count) are saved once. Returns ``None``.
+
+    Example::
+
+        save_sharded_checkpoint("ckpt/", state, layout)          # on 4 ranks
+        state = load_sharded_checkpoint("ckpt/", template, layout2)   # on 2 ranks
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state_dict(state, layout), checkpoint_id=os.fspath(path),
+             process_group=layout.group)
+
+
+def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
+                            layout: ShardLayout) -> TrainState:
+    """Return the sharded state stored in ``path``, resharded to ``layout``'s world size.
+
+    ``template`` is any state of this layout with the same optimizer (e.g.
+    ``init_sharded_state(params, buffers, opt, layout, seed=0)``); its values are not used,
+    only its structure, shapes and devices. A collective: every rank calls it. The checkpoint
+    may come from any world size (:func:`save_sharded_checkpoint`).
+
+    Example::
+
+        template = init_sharded_state(params, buffers, opt, layout, seed=0)
+        state = load_sharded_checkpoint("ckpt/", template, layout)
+    """
+    import torch.distributed.checkpoint as dcp
+
+    template = optree.tree_map(torch.clone, template, none_is_leaf=False, namespace="torchopt")
+    sd = _state_dict(template, layout)
+    dcp.load(sd, checkpoint_id=os.fspath(path), process_group=layout.group)
+
+    def local(x: Any, name: str, like: Tensor) -> Tensor:
+        out = torch.zeros_like(like)
+        v = x.to_local() if hasattr(x, "to_local") else x
+        out[:v.numel()] = v
+        return out
+
+    params = {n: local(sd["params"][n], n, t) for n, t in template.params.items()}
+    keys, leaves, owners, spec = _opt_leaves(template.opt_state, layout)
+    new_leaves = [leaf if not isinstance(leaf, Tensor) else
+                  local(sd["opt_state"][key], name, leaf) if name is not None else
+                  sd["opt_state"][key]
+                  for key, leaf, name in zip(keys, leaves, owners, strict=True)]
+    opt_state = optree.tree_unflatten(spec, new_leaves)
+    fields: dict[str, Any] = dict(
+        params=params, opt_state=opt_state, buffers=sd["buffers"], step=sd["step"],
+        seed=sd["seed"], loss_scale=template.loss_scale._replace(**sd["loss_scale"]))
+    if "skipped" in sd:
+        fields["skipped"] = sd["skipped"]
+    return _replace(template, **fields)
