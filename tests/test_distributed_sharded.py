@@ -229,3 +229,19 @@ def test_layout_needs_a_process_group():
     with pytest.raises(RuntimeError, match=r"ShardLayout.from_params: torch.distributed is not "
                                            r"initialised"):
         tdist.ShardLayout.from_params(init_params())
+
+
+@pytest.mark.parametrize("n", [1, 2, 11, 12, 1001])
+def test_normal_slice_is_the_slice_of_the_global_draw(n):
+    """The building block of a sharded DP-SGD step: each shard draws its part of one noise."""
+    from torchfn.persample._dp_random import key_from_seed, normal, normal_slice
+
+    key = key_from_seed(7)
+    full = normal(key, (n,), F64)
+    world = 4
+    c = -(-n // world)
+    parts = [normal_slice(key, n, r * c, max(0, min(c, n - r * c)), F64) for r in range(world)]
+    assert torch.equal(torch.cat(parts), full)
+    assert torch.equal(normal_slice(key, n, n // 3, n - n // 3, F64), full[n // 3:])
+    with pytest.raises(ValueError, match=r"normal_slice\(n=5, start=3, length=3\)"):
+        normal_slice(key, 5, 3, 3)

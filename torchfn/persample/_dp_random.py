@@ -33,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["fold_in", "key_from_seed", "normal", "random_bits", "uniform"]
+__all__ = ["fold_in", "key_from_seed", "normal", "normal_slice", "random_bits", "uniform"]
 
 _M32 = 0xFFFFFFFF
 _TWO_PI = 2.0 * math.pi
@@ -104,8 +104,12 @@ def random_bits(key: Tensor, n: int, offset: int = 0) -> Tensor:
     if offset + n > 2**32:
         raise ValueError(f"random_bits: at most 2**32 counters per key, got offset={offset} and "
                          f"n={n}; split the draw over several keys (fold_in)")
-    c = torch.arange(offset, offset + n, dtype=torch.int64, device=key.device)
-    h = _mix32(c ^ key[0])
+    return _bits_at(key, torch.arange(offset, offset + n, dtype=torch.int64, device=key.device))
+
+
+def _bits_at(key: Tensor, counters: Tensor) -> Tensor:
+    """Return the 32-bit words of ``key`` at the int64 ``counters`` (any shape, any order)."""
+    h = _mix32(counters ^ key[0])
     return _mix32(((h + key[1]) & _M32) ^ 0x5BD1E995)
 
 
@@ -149,3 +153,31 @@ def normal(key: Tensor, shape: tuple[int, ...] | torch.Size,
     r = torch.sqrt(-2.0 * torch.log(u1))
     z = torch.cat([r * torch.cos(angle), r * torch.sin(angle)])[:n]
     return z.reshape(shape).to(dtype)
+
+
+def normal_slice(key: Tensor, n: int, start: int, length: int,
+                 dtype: torch.dtype = torch.float32) -> Tensor:
+    """Return ``normal(key, (n,), dtype)[start:start + length]`` without drawing the rest.
+
+    A ``(length,)`` tensor, bit-identical to that slice: element ``j`` of the flat draw is the
+    cosine (``j < m``) or sine (``j >= m``) half of Box-Muller pair ``j mod m``
+    (``m = ceil(n / 2)``), whose words sit at counters ``p``, ``m + p`` and ``2 m + p``. So each
+    rank of a sharded step can draw exactly its own part of one global noise vector.
+
+    Example:
+        >>> k = key_from_seed(3)
+        >>> torch.equal(normal_slice(k, 11, 4, 5), normal(k, (11,))[4:9])
+        True
+    """
+    if start < 0 or length < 0 or (length and start + length > n):
+        raise ValueError(f"normal_slice(n={n}, start={start}, length={length}): expected "
+                         f"start >= 0, length >= 0 and start + length <= n (any start for length 0)")
+    m = (n + 1) // 2
+    j = torch.arange(start, start + length, dtype=torch.int64, device=key.device)
+    second = j >= m
+    p = torch.where(second, j - m, j)
+    hi, lo = _bits_at(key, p) >> 5, _bits_at(key, m + p) >> 6
+    u1 = 1.0 - (hi * 67108864 + lo).to(torch.float64) * (1.0 / 9007199254740992.0)
+    angle = _bits_at(key, 2 * m + p).to(torch.float64) * (_TWO_PI / 4294967296.0)
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    return torch.where(second, r * torch.sin(angle), r * torch.cos(angle)).to(dtype)
