@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from torchfn import distributed as tdist
 from torchfn.functional import init_train_state, make_train_step
@@ -109,11 +110,19 @@ def _rank_main(rank: int, world: int, port: int, root: str, phase: str) -> None:
             out["loaded_mu"] = layout.gather(state.opt_state[0].mu)
             out["loaded_step"], out["loaded_seed"] = int(state.step), int(state.seed)
             out["loaded_buffers"] = state.buffers
-            losses = []
+            loaded, losses = state, []
             for batch in data[STEPS:]:
                 state, metrics = step(state, _local(batch, rank, world))
                 losses.append(metrics["loss"])
             out.update(params=layout.gather(state.params), loss=torch.stack(losses))
+            if world == 2:  # compiled (aot_eager keeps CI fast): one graph, == eager
+                counter = CompileCounterWithBackend("aot_eager")
+                cstep = torch.compile(step, fullgraph=True, backend=counter)
+                for batch in data[STEPS:]:
+                    loaded, cmetrics = cstep(loaded, _local(batch, rank, world))
+                out["compiled"] = {"params": loaded.params, "eager": state.params,
+                                   "loss": cmetrics["loss"], "eager_loss": metrics["loss"],
+                                   "frames": counter.frame_count}
         if phase == "resume" and world == 2:
             # an infinite gradient in rank 0's shard only, the loss finite: every rank skips
             zeros = {"a": torch.zeros(8, dtype=F64)}
@@ -198,6 +207,14 @@ def test_checkpoint_from_4_ranks_resumes_exactly(runs, world):
         # 3 more steps continue the one-process run of 6
         _close(out["params"], params[-1])
         torch.testing.assert_close(out["loss"], torch.stack(losses[STEPS:]), **TOL)
+
+
+def test_compiled_sharded_step_equals_eager(runs):
+    for out in runs["resume", 2]:
+        c = out["compiled"]
+        assert c["frames"] == 1  # fullgraph, no recompiles over 3 steps
+        _close(c["params"], c["eager"])
+        torch.testing.assert_close(c["loss"], c["eager_loss"], **TOL)
 
 
 def test_nonfinite_in_one_shard_skips_on_every_rank(runs):
