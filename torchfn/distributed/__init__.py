@@ -29,6 +29,7 @@ from torchfn.distributed._reduce import all_gather_tree as all_gather_tree
 from torchfn.distributed._reduce import all_reduce_tree as all_reduce_tree
 from torchfn.distributed._reduce import make_grad_reducer as make_grad_reducer
 from torchfn.distributed._sharded import ShardLayout as ShardLayout
+from torchfn.distributed._sharded import gather_sharded_state as gather_sharded_state
 from torchfn.distributed._sharded import init_sharded_state as init_sharded_state
 from torchfn.distributed._sharded import load_sharded_checkpoint as load_sharded_checkpoint
 from torchfn.distributed._sharded import make_sharded_train_step as make_sharded_train_step
@@ -42,6 +43,7 @@ __all__ = [
     "all_reduce_clipped_sum",
     "all_reduce_tree",
     "gather_members",
+    "gather_sharded_state",
     "init_from_env",
     "init_sharded_state",
     "load_ensemble_shard",

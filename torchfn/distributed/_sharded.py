@@ -39,8 +39,8 @@ from torchfn.functional import (
     step_rng,
 )
 
-__all__ = ["ShardLayout", "init_sharded_state", "load_sharded_checkpoint",
-           "make_sharded_train_step", "save_sharded_checkpoint"]
+__all__ = ["ShardLayout", "gather_sharded_state", "init_sharded_state",
+           "load_sharded_checkpoint", "make_sharded_train_step", "save_sharded_checkpoint"]
 
 TensorDict = dict[str, Tensor]
 Batch = tuple[Any, Any]
@@ -343,24 +343,72 @@ def _dtensor(t: Tensor, name: str, layout: ShardLayout, mesh: Any) -> Any:
                               shape=torch.Size([n]), stride=(1,))
 
 
-def _opt_leaves(opt_state: Any, layout: ShardLayout) -> tuple[list[str], list[Any],
-                                                              list[str | None], Any]:
+def _opt_leaves(opt_state: Any, layout: ShardLayout, optimizer: GradientTransformation,
+                where: str) -> tuple[list[str], list[Any], list[str | None], Any]:
+    """Return ``(keys, leaves, owners, treespec)`` of ``opt_state``: ``owners[i]`` is the param
+    whose shard leaf ``i`` is, or ``None`` for a replicated leaf (a step count).
+
+    The owners come from the structure, not from names (torchopt's own transforms keep tuples
+    in params order): ``optimizer.init`` of meta tensors of distinct lengths, one per param,
+    shows which leaves follow which param."""
+    tags = {n: 1_000_003 + i for i, n in enumerate(layout.shapes)}
+    probe = optimizer.init({n: torch.zeros(tags[n], dtype=layout.dtypes[n], device="meta")
+                            for n in layout.shapes})
+    by_tag = {(t,): n for n, t in tags.items()}
+    p_leaves, p_spec = optree.tree_flatten(probe, none_is_leaf=False, namespace="torchopt")
     paths, leaves, spec = optree.tree_flatten_with_path(opt_state, none_is_leaf=False,
                                                         namespace="torchopt")
+    if p_spec != spec:
+        raise ValueError(f"{where}: the state's opt_state is not optimizer.init of the shards "
+                         f"(structure {spec} vs {p_spec}); pass the optimizer the state was "
+                         "built with (init_sharded_state)")
     keys, owners = [], []
-    for path, leaf in zip(paths, leaves, strict=True):
+    for path, leaf, p_leaf in zip(paths, leaves, p_leaves, strict=True):
         keys.append("/".join(str(p) for p in path))
-        name = path[-1] if path and isinstance(path[-1], str) else None
-        sharded = (name in layout.shapes and isinstance(leaf, Tensor)
-                   and tuple(leaf.shape) == (layout.chunk(name),))
-        owners.append(name if sharded else None)
+        name = by_tag.get(tuple(p_leaf.shape)) if isinstance(p_leaf, Tensor) else None
+        if name is not None and tuple(leaf.shape) != (layout.chunk(name),):
+            raise ValueError(f"{where}: opt_state leaf {keys[-1]} of param {name!r} has shape "
+                             f"{tuple(leaf.shape)}, expected the shard shape "
+                             f"({layout.chunk(name)},)")
+        owners.append(name)
     return keys, leaves, owners, spec
 
 
-def _state_dict(state: TrainState, layout: ShardLayout) -> dict[str, Any]:
-    layout.check_shards(state.params, "sharded checkpoint: state.params")
+def gather_sharded_state(state: TrainState, layout: ShardLayout,
+                         optimizer: GradientTransformation) -> TrainState:
+    """Return the whole (unsharded) :class:`TrainState` on every rank; a collective.
+
+    ``params`` get their full shapes back and every optimizer-state leaf of a param (Adam's
+    ``mu``/``nu``, momentum) its param's shape: the state a single process (or the replicated
+    data-parallel step) would hold. Save it with :func:`save_checkpoint_once` for an ordinary
+    checkpoint; ``layout.shard`` / :func:`init_sharded_state` go the other way for params.
+
+    Example::
+
+        full = gather_sharded_state(state, layout, opt)
+        save_checkpoint_once("ckpt.pt", full)
+    """
+    where = "gather_sharded_state"
+    params = layout.gather({k: v for k, v in state.params.items()})
+    _, leaves, owners, spec = _opt_leaves(state.opt_state, layout, optimizer, where)
+    pg = _group(layout.group)
+
+    def full(leaf: Any, name: str | None) -> Any:
+        if name is None:
+            return leaf
+        whole = _materialise(_all_gather(leaf.contiguous(), 0, pg))
+        return whole[:layout.numel(name)].view(layout.shapes[name])
+
+    opt_state = optree.tree_unflatten(spec, [full(leaf, name)
+                                             for leaf, name in zip(leaves, owners, strict=True)])
+    return _replace(state, params=params, opt_state=opt_state)
+
+
+def _state_dict(state: TrainState, layout: ShardLayout, optimizer: GradientTransformation,
+                where: str) -> dict[str, Any]:
+    layout.check_shards(state.params, f"{where}: state.params")
     mesh = _mesh(layout, next(iter(state.params.values())).device.type)
-    keys, leaves, owners, _ = _opt_leaves(state.opt_state, layout)
+    keys, leaves, owners, _ = _opt_leaves(state.opt_state, layout, optimizer, where)
     opt = {key: (_dtensor(leaf, name, layout, mesh) if name is not None else leaf)
            for key, leaf, name in zip(keys, leaves, owners, strict=True)
            if isinstance(leaf, Tensor)}
@@ -375,30 +423,32 @@ def _state_dict(state: TrainState, layout: ShardLayout) -> dict[str, Any]:
 
 
 def save_sharded_checkpoint(path: str | os.PathLike[str], state: TrainState,
-                            layout: ShardLayout) -> None:
+                            layout: ShardLayout, optimizer: GradientTransformation) -> None:
     """Write a sharded ``state`` to the directory ``path`` with ``torch.distributed.checkpoint``.
 
-    A collective: every rank calls it and writes its own shards. Params and sharded optimizer
+    ``optimizer`` is the one the state was built with (it tells which optimizer-state leaves
+    are shards). A collective: every rank calls it and writes its own shards. Params and sharded optimizer
     leaves are saved as DTensors of their full flat ``(numel,)`` length (``Shard(0)``), so
     :func:`load_sharded_checkpoint` reads them back at any world size (resharding); replicated
     leaves (buffers, step, seed, Adam's count) are saved once. Returns ``None``.
 
     Example::
 
-        save_sharded_checkpoint("ckpt/", state, layout)          # on 4 ranks
-        state = load_sharded_checkpoint("ckpt/", template, layout2)   # on 2 ranks
+        save_sharded_checkpoint("ckpt/", state, layout, opt)               # on 4 ranks
+        state = load_sharded_checkpoint("ckpt/", template, layout2, opt)    # on 2 ranks
     """
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state_dict(state, layout), checkpoint_id=os.fspath(path),
+    sd = _state_dict(state, layout, optimizer, "save_sharded_checkpoint")
+    dcp.save(sd, checkpoint_id=os.fspath(path),
              process_group=layout.group)
 
 
 def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
-                            layout: ShardLayout) -> TrainState:
+                            layout: ShardLayout, optimizer: GradientTransformation) -> TrainState:
     """Return the sharded state stored in ``path``, resharded to ``layout``'s world size.
 
-    ``template`` is any state of this layout with the same optimizer (e.g.
+    ``template`` is any state of this layout built with ``optimizer`` (e.g.
     ``init_sharded_state(params, buffers, opt, layout, seed=0)``); its values are not used,
     only its structure, shapes and devices. A collective: every rank calls it. The checkpoint
     may come from any world size (:func:`save_sharded_checkpoint`).
@@ -406,12 +456,12 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
     Example::
 
         template = init_sharded_state(params, buffers, opt, layout, seed=0)
-        state = load_sharded_checkpoint("ckpt/", template, layout)
+        state = load_sharded_checkpoint("ckpt/", template, layout, opt)
     """
     import torch.distributed.checkpoint as dcp
 
     template = optree.tree_map(torch.clone, template, none_is_leaf=False, namespace="torchopt")
-    sd = _state_dict(template, layout)
+    sd = _state_dict(template, layout, optimizer, "load_sharded_checkpoint")
     dcp.load(sd, checkpoint_id=os.fspath(path), process_group=layout.group)
 
     def local(x: Any, name: str, like: Tensor) -> Tensor:
@@ -421,7 +471,8 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
         return out
 
     params = {n: local(sd["params"][n], n, t) for n, t in template.params.items()}
-    keys, leaves, owners, spec = _opt_leaves(template.opt_state, layout)
+    keys, leaves, owners, spec = _opt_leaves(template.opt_state, layout, optimizer,
+                                             "load_sharded_checkpoint")
     new_leaves = [leaf if not isinstance(leaf, Tensor) else
                   local(sd["opt_state"][key], name, leaf) if name is not None else
                   sd["opt_state"][key]
