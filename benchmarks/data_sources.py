@@ -378,7 +378,8 @@ def write_md(out: dict[str, Any], path: str) -> None:
         "",
         f"- Date: {out['date']}",
         f"- Device: {out['cpu']} ({out['cpus']} cores), no GPU; shared machine, load average "
-        "per row (start -> end of its epochs)",
+        "per row (start -> end of its epochs; the benchmark itself keeps up to 3 processes "
+        "busy, main + 2 workers, so ~2-3 is its own load and more is other jobs)",
         f"- torch {out['versions']['torch']}, numpy {out['versions']['numpy']}, pyarrow "
         f"{out['versions']['pyarrow']}, webdataset {out['versions']['webdataset']}, datasets "
         f"{out['versions']['datasets']}, Python {out['python']}",
