@@ -180,7 +180,9 @@ def _xy(batch: Any, xkey: str) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(batch, dict):
         return batch[xkey], batch["label"]
     x, y = batch[0], batch[1]
-    return (x if torch.is_tensor(x) else torch.stack(list(x))), torch.as_tensor(y)
+    if not torch.is_tensor(x):  # webdataset: an ndarray, or a list of per-sample arrays
+        x = torch.as_tensor(np.stack([np.asarray(v) for v in x]))
+    return x, torch.as_tensor(np.asarray(y))
 
 
 def _sums(loader: Iterable[Any], xkey: str) -> dict[str, float]:
