@@ -635,6 +635,7 @@ class TarSource:
 def _pyarrow(who: str) -> Any:
     try:
         import pyarrow as pa
+        import pyarrow.compute
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
@@ -644,10 +645,35 @@ def _pyarrow(who: str) -> Any:
     return pa
 
 
+def _arrow_fixed_shape(col: Any, pa: Any) -> Any:
+    """Returns a ``(b, *shape)`` tensor in the column's own dtype when it is (nested) lists of
+    numbers of one shape without nulls, read from Arrow's flat value buffer; else None."""
+    if hasattr(col, "combine_chunks"):  # a ChunkedArray
+        col = col.combine_chunks()
+    n, shape, cur = len(col), [], col
+    while (pa.types.is_list(cur.type) or pa.types.is_large_list(cur.type)
+           or pa.types.is_fixed_size_list(cur.type)):
+        if cur.null_count or len(cur) == 0:
+            return None
+        lengths = pa.compute.min_max(pa.compute.list_value_length(cur))
+        lo, hi = lengths["min"].as_py(), lengths["max"].as_py()
+        if lo != hi:
+            return None
+        shape.append(lo)
+        cur = cur.flatten()
+    t = cur.type
+    if not shape or cur.null_count or not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+        return None
+    return torch.from_numpy(np.array(cur.to_numpy(zero_copy_only=False)).reshape(n, *shape))
+
+
 def _arrow_column(col: Any, pa: Any) -> Any:
     """Returns an Arrow column as a ``(b, ...)`` tensor when its values are numbers of one
     shape (scalars or nested lists), else the Python list of values."""
     t = col.type
+    fixed = _arrow_fixed_shape(col, pa)
+    if fixed is not None:
+        return fixed
     if col.null_count == 0 and (pa.types.is_integer(t) or pa.types.is_floating(t)
                                 or pa.types.is_boolean(t)):
         return torch.from_numpy(np.array(col.to_pylist() if pa.types.is_boolean(t)
