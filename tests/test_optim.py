@@ -301,3 +301,57 @@ def test_weight_decay_needs_params():
     params = {"w": torch.ones(2)}
     with pytest.raises(ValueError, match="needs the parameters"):
         opt.update({"w": torch.ones(2)}, opt.init(params), inplace=False)
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, dampening=0.3),
+                                dict(momentum=0.8, nesterov=True),
+                                dict(momentum=0.5, weight_decay=0.1), dict()])
+def test_sgd_equals_torch_optim_sgd_and_resumes_exactly(kw) -> None:
+    """torchfn.optim.sgd == torch.optim.SGD over 6 steps (float64), and 3 steps + a state
+    handed to a NEW optimizer object + 3 steps == 6 steps (torchopt.sgd(momentum>0) keeps a
+    first-call flag outside its state and fails this); compiled (fullgraph) == eager."""
+    import torchopt
+
+    from torchfn.optim import sgd
+
+    torch.manual_seed(0)
+    w0 = torch.randn(4, 3, dtype=torch.float64)
+    grads = [torch.randn(4, 3, dtype=torch.float64) for _ in range(6)]
+    ref = w0.clone().requires_grad_(True)
+    topt = torch.optim.SGD([ref], lr=0.1, **kw)
+    for g in grads:
+        ref.grad = g.clone()
+        topt.step()
+
+    def run(opt, state, p, gs):
+        for g in gs:
+            u, state = opt.update({"w": g}, state, params=p, inplace=False)
+            p = torchopt.apply_updates(p, u, inplace=False)
+        return p, state
+
+    opt = sgd(0.1, **kw)
+    full, _ = run(opt, opt.init({"w": w0}), {"w": w0}, grads)
+    torch.testing.assert_close(full["w"], ref.detach(), rtol=1e-12, atol=1e-12)
+    half, state = run(opt, opt.init({"w": w0}), {"w": w0}, grads[:3])
+    fresh = sgd(0.1, **kw)  # a resumed process builds its optimizer anew
+    resumed, _ = run(fresh, state, half, grads[3:])
+    assert torch.equal(resumed["w"], full["w"])
+    compiled = torch.compile(lambda s, p, g: fresh.update({"w": g}, s, params=p, inplace=False),
+                             fullgraph=True, backend="aot_eager")
+    s_e = s_c = fresh.init({"w": w0})
+    for g in grads[:3]:
+        u_e, s_e = fresh.update({"w": g}, s_e, params={"w": w0}, inplace=False)
+        u_c, s_c = compiled(s_c, {"w": w0}, g)
+        assert torch.equal(u_e["w"], u_c["w"])
+
+
+def test_sgd_argument_errors() -> None:
+    from torchfn.optim import sgd, trace
+
+    with pytest.raises(ValueError, match=r"trace\(nesterov=True\): Nesterov momentum needs "
+                                         r"momentum > 0 and dampening 0"):
+        sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True)
+    with pytest.raises(ValueError, match=r"trace\(momentum=...\): expected momentum >= 0"):
+        trace(momentum=-1.0)
+    with pytest.raises(ValueError, match=r"sgd\(lr=...\): expected a float >= 0"):
+        sgd(-0.1)

@@ -308,7 +308,9 @@ def save_checkpoint(
     data loader's ``state_dict()``; anything else raises ``TypeError`` before a byte is written.
     The file records the format version and the torch version. The target directory must exist.
     Temporary files that killed saves of the same ``path`` left behind are removed first (the
-    rule is in this module's docstring).
+    rule is in this module's docstring). A resumed run continues exactly when the optimizer
+    keeps all its state in ``state.opt_state``: torchfn's optimizers do; ``torchopt.sgd`` with
+    momentum does not (a first-call flag in a closure), use :func:`torchfn.optim.sgd`.
 
     Example:
         >>> import os, tempfile, torch
