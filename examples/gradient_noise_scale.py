@@ -28,11 +28,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-import torchopt
 from sklearn.datasets import load_digits
 from torch import nn
 from torchopt.update import apply_updates
 
+from torchfn.optim import sgd
 from torchfn.persample import (
     grad_stats,
     init_noise_scale,
@@ -78,7 +78,7 @@ def per_sample_xent(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y, reduction="none")
 
 
-opt = torchopt.sgd(0.05, momentum=0.9)
+opt = sgd(0.05, momentum=0.9)  # torchfn.optim.sgd: its whole state is in the state
 opt_state = opt.init(params)
 stats_fn = grad_stats(ghost, per_sample_xent)
 noise, history = init_noise_scale(), init_norm_history(N)
