@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -152,3 +153,19 @@ def write_json(path: Path | None, result: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name, or the CPU's architecture and torch's thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def set_tf32_off() -> dict[str, Any]:
+    """Switch TF32 off for matmuls and cuDNN; return the switches as they now stand."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}

@@ -64,7 +64,7 @@ from torch.func import functional_call, grad, vmap
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import time_calls
+from _bench import device_name, set_tf32_off, time_calls
 from persample import CNN
 
 from torchfn.persample import _ghost_grads, grad_inner_products, make_ghost_model
@@ -308,12 +308,6 @@ def compare(rows: list[dict[str, Any]], workload: str, scores: dict[str, Tensor]
 # --- output --------------------------------------------------------------------------------
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for mod in ("kronfluence", "trak"):
@@ -324,14 +318,6 @@ def _versions() -> dict[str, str]:
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     return out
-
-
-def set_tf32_off() -> dict[str, Any]:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
 def _goal(x: float) -> str:
@@ -418,7 +404,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.seq:
         cfgs["transformer"]["model"]["seq"] = args.seq
     result: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "device": _device_name(device),
+        "date": datetime.date.today().isoformat(), "device": device_name(device),
         "versions": _versions(), "command": args.command, "tf32": set_tf32_off(),
         "tiny": args.tiny, "n_train": args.train, "n_query": args.query,
         "repeats": args.repeats, "warmup": args.warmup,
@@ -488,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup or (1 if args.tiny else 2)
     args.command = "python benchmarks/attribution.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    print(f"device: {_device_name(torch.device(args.device))}; {_versions()}", flush=True)
+    print(f"device: {device_name(torch.device(args.device))}; {_versions()}", flush=True)
     result = run(args)
     print("torchfn vs materialised:")
     for r in result["results"]:

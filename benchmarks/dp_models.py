@@ -71,7 +71,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import time_calls
+from _bench import device_name, set_tf32_off, time_calls
 
 from torchfn.compile import make_graphed_step
 from torchfn.functional import (
@@ -506,12 +506,6 @@ def _check_text(r: dict[str, Any]) -> str:
     return ""
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "torch": torch.__version__,
            "torchopt": torchopt.__version__}
@@ -523,14 +517,6 @@ def _versions() -> dict[str, str]:
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     return out
-
-
-def set_tf32_off() -> dict[str, Any]:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
 PRECISION_TEXT = {
@@ -642,7 +628,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"{', '.join(allowed)}")
     cfgs = configs(args.tiny)
     result: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "device": _device_name(device),
+        "date": datetime.date.today().isoformat(), "device": device_name(device),
         "versions": _versions(), "command": args.command, "tf32": set_tf32_off(),
         "precisions": precisions, "tiny": args.tiny, "steps": args.steps,
         "warmup": args.warmup, "untie": args.untie, "positions": args.positions,
@@ -721,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     args.warmup = args.warmup or (1 if args.tiny else 3)
     args.command = "python benchmarks/dp_models.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    print(f"device: {_device_name(torch.device(args.device))}; {_versions()}")
+    print(f"device: {device_name(torch.device(args.device))}; {_versions()}")
     print("precision: " + "; ".join(f"{p}: {PRECISION_TEXT[p]}" for p in args.precision.split(",")
                                     if p in PRECISION_TEXT), flush=True)
     result = run(args)

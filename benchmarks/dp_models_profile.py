@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench import set_tf32_off
 from dp_models import (  # the benchmark's own models, batches and variants
     VARIANTS,
     WORKLOADS,
@@ -31,7 +32,6 @@ from dp_models import (  # the benchmark's own models, batches and variants
     loss_kind,
     make_batch,
     make_variant,
-    set_tf32_off,
 )
 
 from torchfn.compile import profile_step

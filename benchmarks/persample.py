@@ -59,7 +59,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import time_calls, write_json
+from _bench import device_name, time_calls, write_json
 
 from torchfn.compile import make_graphed_step
 from torchfn.functional import (
@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del model, x, y
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {"device": _device_name(device), "torch": torch.__version__,
+    return {"device": device_name(device), "torch": torch.__version__,
             "versions": _versions(), "tf32": tf32, "small": args.small,
             "repeats": args.repeats, "warmup": args.warmup,
             "config": {k: cfgs[k] for k in args.models.split(",")},
@@ -453,12 +453,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "torchopt": torchopt.__version__}
     for mod in ("opacus", "jax", "jaxlib"):
@@ -492,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.small else 50)
     args.warmup = args.warmup or (2 if args.small else 10)
-    print(f"device: {_device_name(torch.device(args.device))}, torch {torch.__version__}, "
+    print(f"device: {device_name(torch.device(args.device))}, torch {torch.__version__}, "
           f"{_versions()}")
     result = run(args)
     print(f"TF32: {result['tf32']}")

@@ -194,8 +194,8 @@ class PLDAccountant(_StepHistory):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace this accountant's interval and history with ``state`` (mutates)."""
         where = "PLDAccountant.load_state_dict"
-        state = _check_state(state, where, _STATE_FORMAT, _STATE_VERSION, {"value_discretization_interval", "history"},
-                             "PLDAccountant")
+        state = _check_state(state, where, _STATE_FORMAT, _STATE_VERSION,
+                             {"value_discretization_interval", "history"}, "PLDAccountant")
         interval = _check_interval(state["value_discretization_interval"], where)
         history = _check_history(state["history"], where)
         self._interval, self._history, self._cache = interval, history, {}

@@ -522,8 +522,8 @@ class PRVAccountant(_StepHistory):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace this accountant's error parameters and history with ``state`` (mutates)."""
         where = "PRVAccountant.load_state_dict"
-        state = _check_state(state, where, _STATE_FORMAT, _STATE_VERSION, {"eps_error", "delta_error", "history"},
-                             "PRVAccountant")
+        state = _check_state(state, where, _STATE_FORMAT, _STATE_VERSION,
+                             {"eps_error", "delta_error", "history"}, "PRVAccountant")
         eps_error = _check_eps_error(state["eps_error"], where)
         delta_error = _check_delta_error(state["delta_error"], where)
         history = _check_history(state["history"], where)
