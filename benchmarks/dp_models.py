@@ -632,6 +632,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "versions": _versions(), "command": args.command, "tf32": set_tf32_off(),
         "precisions": precisions, "tiny": args.tiny, "steps": args.steps,
         "warmup": args.warmup, "untie": args.untie, "positions": args.positions,
+        "inductor_config": getattr(args, "inductor_config", {}),
         "config": {w: cfgs[w] for w in workloads},
         "hyper": {"lr": LR, "noise_multiplier": SIGMA, "max_grad_norm": CLIP,
                   "dataset_size": DATASET},
@@ -667,6 +668,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _set_inductor(items: list[str]) -> dict[str, Any]:
+    """Set ``torch._inductor.config`` entries given as ``KEY=VALUE``; return them as a dict."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not hasattr(inductor_config, key):
+            raise SystemExit(f"--inductor: expected KEY=VALUE with KEY a torch._inductor.config "
+                             f"entry, got {item!r}")
+        out[key] = ast.literal_eval(value)
+        setattr(inductor_config, key, out[key])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -691,6 +709,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the JSON here")
     parser.add_argument("--md", type=Path, default=None,
                         help="write a markdown results file here (benchmarks/results/...)")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="set torch._inductor.config.KEY (a Python literal) for every "
+                             "compiled row, both sides (recorded in the results), e.g. "
+                             "shape_padding=False")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                         help="measure nothing: merge the JSON files of earlier runs (each one "
                              "side by side on its own) into --md / --json")
@@ -703,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             args.md.write_text(to_markdown(merged))
         print(to_markdown(merged))
         return 0
+    args.inductor_config = _set_inductor(args.inductor)
     args.steps = args.steps or (2 if args.tiny else 10)
     args.warmup = args.warmup or (1 if args.tiny else 3)
     args.command = "python benchmarks/dp_models.py " + " ".join(
