@@ -483,3 +483,40 @@ def test_batch_not_in_dim_zero_is_refused() -> None:
     ghost, params, buffers = make_ghost_model(SeqFirst())
     with pytest.raises(GhostLayerError, match="batch in dim 0"):
         ghost.per_sample(params, buffers, torch.randn(B, 4, 3), torch.randn(B, 4, 2), sq_loss)
+
+
+def test_bf16_autocast_norms_run_in_bf16_and_match_the_autocast_loop(monkeypatch) -> None:
+    """Under bf16 autocast a Linear/Conv records its fp32 input but computes in bf16: the
+    per-sample work runs in bf16 too (the half-precision GEMM path, as autograd's own weight
+    gradient), and the norms (float32) match a loop of torch.autograd.grad of the same
+    autocast model within bf16 rounding."""
+    import torchfn.persample._ghost_layers as gl
+
+    seen: list[torch.dtype] = []
+    init = gl._LinearLike.__init__
+
+    def spy(self, a, g, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, a, g, *args, **kwargs)
+        seen.append(self.a.dtype)
+
+    monkeypatch.setattr(gl._LinearLike, "__init__", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(1, 2), nn.Linear(6, 16), nn.Tanh(),
+                          nn.Linear(16, 5))  # (B, 8, 6, 6) -> (B, 48, 6) -> Linear over T=48
+    x = torch.randn(6, 3, 8, 8)
+    y = torch.randint(0, 5, (6,))
+
+    def loss_fn(out: Tensor, t: Tensor) -> Tensor:
+        return F.cross_entropy(out.float().mean(1), t, reduction="none")
+
+    ghost, params, buffers = make_ghost_model(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norms = ghost_grad_norms(ghost, loss_fn)(params, buffers, x, y)
+        ref = []
+        for i in range(x.shape[0]):
+            loss = loss_fn(model(x[i:i + 1]), y[i:i + 1]).sum()
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            ref.append(torch.sqrt(sum(g.float().square().sum() for g in grads)))
+    assert seen and set(seen) == {torch.bfloat16}
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms, torch.stack(ref), rtol=2e-2, atol=1e-3)

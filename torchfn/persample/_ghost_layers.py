@@ -75,9 +75,31 @@ def _coef(coef: Tensor, like: Tensor) -> Tensor:
 
 
 def _common(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """Cast ``a`` and ``g`` to one dtype (autocast may leave them different)."""
-    dtype = torch.promote_types(a.dtype, g.dtype)
+    """Cast ``a`` and ``g`` to one dtype (autocast may leave them different).
+
+    Under bf16 autocast a layer records its float32 input ``a`` but computed with ``a`` cast to
+    bfloat16, so its output gradient ``g`` is bfloat16: both go to bfloat16, which is what the
+    layer (and autograd's own parameter gradient) used, and keeps the per-sample work on the
+    half-precision GEMM path. Otherwise the promoted dtype (float16 stays out: its squares and
+    Gram entries overflow, loss-scaled ``g`` above all).
+    """
+    dtype = _compute_dtype(a.dtype, g.dtype)
     return a.to(dtype), g.to(dtype)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """bfloat16 where bfloat16 meets float32 (bf16 autocast, see :func:`_common`), else the
+    promoted dtype."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return torch.bfloat16 if out == torch.float32 and torch.bfloat16 in dtypes else out
+
+
+def _sq_norm_dtype(t: Tensor) -> Tensor:
+    """``t`` in at least float32: per-sample squared norms of half-precision layers are summed
+    over layers and compared with the clipping bound in float32."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 class Prepared:
@@ -108,7 +130,8 @@ class Instantiated(Prepared):
         self.grads = grads
 
     def sq_norms(self) -> Tensor:
-        return sum(g.reshape(g.shape[0], -1).square().sum(1) for g in self.grads.values())  # type: ignore[return-value]
+        return sum(_sq_norm_dtype(g.reshape(g.shape[0], -1)).square().sum(1)  # type: ignore[return-value]
+                   for g in self.grads.values())
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         return {k: torch.tensordot(_coef(coef, g), g, dims=1) for k, g in self.grads.items()}
@@ -169,16 +192,17 @@ class _LinearLike(Prepared):
         if self._keeps_per_sample():
             if self._kept is None:
                 self._kept = torch.bmm(self.g.transpose(1, 2), self.a)  # (B, d_out, d_in)
-            out = self._kept.square().sum((1, 2))
-            return out + linear_bias_grad_norms_sq(self.g) if self.bias else out
+            out = _sq_norm_dtype(self._kept).square().sum((1, 2))
+            return out + _sq_norm_dtype(linear_bias_grad_norms_sq(self.g)) if self.bias else out
         if self.groups == 1:
-            return linear_grad_norms_sq(self.a, self.g, bias=self.bias)
+            return _sq_norm_dtype(linear_grad_norms_sq(self.a, self.g, bias=self.bias))
         a, g = self._grouped()
         b = a.shape[0]
         a_f = rearrange(a, "b t n k -> (b n) t k")
         g_f = rearrange(g, "b t n o -> (b n) t o")
-        out = rearrange(linear_grad_norms_sq(a_f, g_f), "(b n) -> b n", b=b).sum(1)
-        return out + linear_bias_grad_norms_sq(self.g) if self.bias else out
+        out = rearrange(_sq_norm_dtype(linear_grad_norms_sq(a_f, g_f)), "(b n) -> b n",
+                        b=b).sum(1)
+        return out + _sq_norm_dtype(linear_bias_grad_norms_sq(self.g)) if self.bias else out
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         c = _coef(coef, self.a)
@@ -292,7 +316,8 @@ class LinearRule(Rule):
             pairs.append((x, g))
         a, g = _cat_time(pairs)
         weight = params["weight"]
-        return _LinearLike(a.to(weight.dtype), g.to(weight.dtype), 1, weight.shape,
+        dtype = _compute_dtype(weight.dtype, g.dtype)  # bf16 under bf16 autocast
+        return _LinearLike(a.to(dtype), g.to(dtype), 1, weight.shape,
                            "bias" in params, self.transposed)
 
 
@@ -351,8 +376,9 @@ class _ConvGrouped(Prepared):
         return sum(g.sum((2, 3)) for _, g in self.pairs)  # type: ignore[return-value]
 
     def sq_norms(self) -> Tensor:
-        out = self._per_sample_weight().square().sum(1)
-        return out + self._bias_per_sample().square().sum(1) if self.bias else out
+        out = _sq_norm_dtype(self._per_sample_weight()).square().sum(1)
+        return (out + _sq_norm_dtype(self._bias_per_sample()).square().sum(1) if self.bias
+                else out)
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         c = _coef(coef, self.pairs[0][1])[:, None, None, None]
@@ -424,23 +450,23 @@ class ConvRule(Rule):
                 calls: Calls, grads: Grads) -> Prepared:
         assert isinstance(module, (nn.Conv1d, nn.Conv2d))
         weight = params["weight"]
-        inputs = [input_of(args, kwargs, self.kind, name).to(weight.dtype)
-                  for args, kwargs in calls]
+        dtype = _compute_dtype(weight.dtype, grads[0][0].dtype)  # bf16 under bf16 autocast
+        inputs = [input_of(args, kwargs, self.kind, name).to(dtype) for args, kwargs in calls]
         shaped = [self._geometry(module, x, name) for x in inputs]
         geometry = shaped[0][1]
         if self.method == "grouped":
-            pairs = [(x, g.to(weight.dtype).reshape(x.shape[0], g.shape[1], -1, g.shape[-1]))
+            pairs = [(x, g.to(dtype).reshape(x.shape[0], g.shape[1], -1, g.shape[-1]))
                      for (x, _), (g,) in zip(shaped, grads, strict=True)]
             return _ConvGrouped(pairs, geometry, module.groups, weight.shape, "bias" in params)
         s, pad, d, k = geometry
         unfolded = [F.unfold(x, k, dilation=d, padding=pad, stride=s) for x, _ in shaped]
         if module.groups > 1:
-            grouped = _grouped_per_sample(unfolded, [g for (g,) in grads], module.groups,
-                                          weight, "bias" in params)
+            grouped = _grouped_per_sample(unfolded, [g.to(dtype) for (g,) in grads],
+                                          module.groups, weight, "bias" in params)
             if grouped is not None:
                 return grouped
         patches = [rearrange(u, "b ck l -> b l ck") for u in unfolded]  # (B, L, C*prod(k))
-        gs = [rearrange(g.to(weight.dtype), "b c ... -> b (...) c") for (g,) in grads]
+        gs = [rearrange(g.to(dtype), "b c ... -> b (...) c") for (g,) in grads]
         a = torch.cat(patches, 1) if len(patches) > 1 else patches[0]
         g = torch.cat(gs, 1) if len(gs) > 1 else gs[0]
         return _LinearLike(a, g, module.groups, weight.shape, "bias" in params)
@@ -466,7 +492,7 @@ def _grouped_per_sample(unfolded: list[Tensor], grads: list[Tensor], groups: int
     w: Tensor | None = None
     bias_sum: Tensor | None = None
     for u, g in zip(unfolded, grads, strict=True):
-        u, g = _common(u.to(weight.dtype), g.to(weight.dtype))
+        u, g = _common(u, g)
         g = g.reshape(b, c_out, -1)  # (B, C_out, L)
         part = torch.matmul(g.reshape(b, groups, o, -1), u.reshape(b, groups, k, -1).mT)
         w = part if w is None else w + part
