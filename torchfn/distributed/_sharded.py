@@ -127,6 +127,10 @@ class ShardLayout:
 
     def reduce_scatter_mean(self, grads: Mapping[str, Tensor]) -> TensorDict:
         """Return this rank's shard of the mean over ranks of full-shaped ``grads``."""
+        return {k: v / self.world_size for k, v in self.reduce_scatter_sum(grads).items()}
+
+    def reduce_scatter_sum(self, grads: Mapping[str, Tensor]) -> TensorDict:
+        """Return this rank's flat ``(chunk,)`` shard of the sum over ranks of full ``grads``."""
         pg = _group(self.group)
         out: TensorDict = {}
         for names in self._by_dtype():
@@ -135,7 +139,7 @@ class ShardLayout:
                                              - self.numel(k))).view(self.world_size, -1)
                     for k in names]
             flat = torch.cat(rows, dim=1).reshape(-1)
-            mine = _materialise(_reduce_scatter(flat, "sum", 0, pg)) / self.world_size
+            mine = _materialise(_reduce_scatter(flat, "sum", 0, pg))
             for k, part in zip(names, mine.split([self.chunk(k) for k in names]), strict=True):
                 out[k] = part
         return {k: out[k] for k in self.shapes}
@@ -414,11 +418,16 @@ def _state_dict(state: TrainState, layout: ShardLayout, optimizer: GradientTrans
            if isinstance(leaf, Tensor)}
     sd: dict[str, Any] = {
         "params": {n: _dtensor(t, n, layout, mesh) for n, t in state.params.items()},
-        "opt_state": opt, "buffers": dict(state.buffers), "step": state.step,
-        "seed": state.seed, "loss_scale": {"scale": state.loss_scale.scale,
-                                           "growth_tracker": state.loss_scale.growth_tracker}}
-    if state.skipped is not None:
-        sd["skipped"] = state.skipped
+        "opt_state": opt}
+    # every other field is replicated (TrainState: buffers, step, seed, loss_scale, skipped;
+    # DPState: buffers, step, key, loss_scale, skipped, clip_norm); None fields are left out
+    for name in state._fields:
+        value = getattr(state, name)
+        if name in ("params", "opt_state") or value is None:
+            continue
+        sd[name] = dict(value._asdict()) if name == "loss_scale" else value
+        if name == "buffers":
+            sd[name] = dict(value)
     return sd
 
 
@@ -478,9 +487,9 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
                   sd["opt_state"][key]
                   for key, leaf, name in zip(keys, leaves, owners, strict=True)]
     opt_state = optree.tree_unflatten(spec, new_leaves)
-    fields: dict[str, Any] = dict(
-        params=params, opt_state=opt_state, buffers=sd["buffers"], step=sd["step"],
-        seed=sd["seed"], loss_scale=template.loss_scale._replace(**sd["loss_scale"]))
-    if "skipped" in sd:
-        fields["skipped"] = sd["skipped"]
+    fields: dict[str, Any] = {"params": params, "opt_state": opt_state}
+    for name in template._fields:
+        if name in sd and name not in fields:
+            fields[name] = (template.loss_scale._replace(**sd[name]) if name == "loss_scale"
+                            else sd[name])
     return _replace(template, **fields)
