@@ -219,13 +219,13 @@ def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout) -> Sharde
     if not isinstance(step, DPTrainStep):
         raise TypeError(f"{where}(step, layout): expected a DPTrainStep from make_dp_train_step, "
                         f"got {type(step).__name__}")
-    if not isinstance(layout, ShardLayout):
-        raise TypeError(f"{where}(step, layout): expected a ShardLayout "
-                        f"(ShardLayout.from_params(params)), got {type(layout).__name__}")
     refused = _refusals(step)
     if refused:
         arg, expected, seen = refused[0]
         raise ValueError(f"{where}: make_dp_train_step({arg}=...) is not supported by the "
                          f"sharded step: expected {expected}, got {seen}. Use "
                          "DistributedDPStep (replicated state) for it")
+    if not isinstance(layout, ShardLayout):
+        raise TypeError(f"{where}(step, layout): expected a ShardLayout "
+                        f"(ShardLayout.from_params(params)), got {type(layout).__name__}")
     return ShardedDPStep(step, layout)
