@@ -439,7 +439,10 @@ def save_sharded_checkpoint(path: str | os.PathLike[str], state: TrainState,
     are shards). A collective: every rank calls it and writes its own shards. Params and sharded optimizer
     leaves are saved as DTensors of their full flat ``(numel,)`` length (``Shard(0)``), so
     :func:`load_sharded_checkpoint` reads them back at any world size (resharding); replicated
-    leaves (buffers, step, seed, Adam's count) are saved once. Returns ``None``.
+    leaves (buffers, step, seed, Adam's count) are saved once. ``state`` may also be a sharded
+    :class:`torchfn.persample.DPState` (:func:`init_sharded_dp_state`): every field other than
+    ``params`` and ``opt_state`` -- its noise ``key``, ``step``, ``skipped``, ``clip_norm`` --
+    is saved as a replicated value, so a resumed DP run continues exactly. Returns ``None``.
 
     Example::
 
@@ -458,7 +461,8 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
     """Return the sharded state stored in ``path``, resharded to ``layout``'s world size.
 
     ``template`` is any state of this layout built with ``optimizer`` (e.g.
-    ``init_sharded_state(params, buffers, opt, layout, seed=0)``); its values are not used,
+    ``init_sharded_state(params, buffers, opt, layout, seed=0)``, or
+    :func:`init_sharded_dp_state` for a DP state); its values are not used,
     only its structure, shapes and devices. A collective: every rank calls it. The checkpoint
     may come from any world size (:func:`save_sharded_checkpoint`).
 
