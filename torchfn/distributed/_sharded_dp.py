@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _replace
+from torchfn._checks import _compile_kwargs, _replace
 from torchfn.distributed._reduce import all_reduce_tree
 from torchfn.distributed._sharded import ShardLayout
 from torchfn.persample import (
@@ -96,12 +96,15 @@ class ShardedDPStep:
     Built by :func:`make_sharded_dp_train_step`. ``sstep(state, local_batch, valid)`` takes
     one logical step whose local share is one physical batch; :meth:`run` takes one on any
     number of physical batches per rank (:func:`shard_poisson_sample` chunks) and steps an
-    accountant once. Attributes of the wrapped step (``noise_std``, ``sample_rate``, ...) are
-    forwarded.
+    accountant once; :meth:`compile` compiles its parts (``fullgraph=True``). Attributes of
+    the wrapped step (``noise_std``, ``sample_rate``, ...) are forwarded.
     """
 
     def __init__(self, step: DPTrainStep, layout: ShardLayout) -> None:
         self.step_fn, self.layout = step, layout
+        self._sum: Callable[..., Any] = step._clipped_sum
+        self._apply: Callable[..., Any] = self._reduce_and_apply
+        self._one: Callable[..., Any] = self._one_step
 
     def __getattr__(self, name: str) -> Any:
         if name in ("noise_multiplier", "sample_rate", "dataset_size", "expected_batch_size",
@@ -117,6 +120,10 @@ class ShardedDPStep:
     def apply(self, state: DPState, local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
         """Reduce-scatter ``local`` (this rank's clipped sum, full shapes), add this shard's
         noise, update the shard: ``(new_state, metrics)``, metrics global."""
+        return self._apply(state, local)
+
+    def _reduce_and_apply(self, state: DPState,
+                          local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
         lay, dp = self.layout, self.step_fn
         shard = lay.reduce_scatter_sum(local.grads)
         slices = {n: (lay.numel(n), lay.rank * lay.chunk(n), lay.valid(n), lay.chunk(n))
@@ -140,8 +147,24 @@ class ShardedDPStep:
         rank's valid examples; ``batch_size``: the global count; ``skipped``: the same on every
         rank).
         """
-        local = self.step_fn._clipped_sum(self._full(state), batch, valid)
-        return self.apply(state, local)
+        return self._one(state, batch, valid)
+
+    def _one_step(self, state: DPState, batch: tuple[Any, Any],
+                  valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
+        return self._reduce_and_apply(state, self.step_fn._clipped_sum(self._full(state), batch,
+                                                                       valid))
+
+    def compile(self, **kwargs: Any) -> ShardedDPStep:
+        """Return a copy whose one-batch step, per-chunk clipped sum and :meth:`apply` are
+        ``torch.compile(fullgraph=True)``; ``kwargs`` go to ``torch.compile``, with
+        :attr:`DPTrainStep.inductor_options` as for :meth:`DPTrainStep.compile`."""
+        kwargs = _compile_kwargs(kwargs, DPTrainStep.inductor_options)
+        new = ShardedDPStep.__new__(ShardedDPStep)
+        new.__dict__.update(self.__dict__)
+        new._sum = torch.compile(self.step_fn._clipped_sum, **kwargs)
+        new._apply = torch.compile(self._reduce_and_apply, **kwargs)
+        new._one = torch.compile(self._one_step, **kwargs)
+        return new
 
     def run(self, state: DPState, chunks: Sequence[tuple[Tensor, Tensor]],
             get_batch: Callable[[Tensor], tuple[Any, Any]],
@@ -161,7 +184,7 @@ class ShardedDPStep:
         device = state.step.device
         total = None
         for idx, valid in chunks:
-            part = self.step_fn._clipped_sum(full, get_batch(idx.to(device)), valid.to(device))
+            part = self._sum(full, get_batch(idx.to(device)), valid.to(device))
             total = part if total is None else DPTrainStep.add(total, part)
         assert total is not None
         state, metrics = self.apply(state, total)
