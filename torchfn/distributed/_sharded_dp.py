@@ -102,7 +102,7 @@ class ShardedDPStep:
 
     def __init__(self, step: DPTrainStep, layout: ShardLayout) -> None:
         self.step_fn, self.layout = step, layout
-        self._sum: Callable[..., Any] = step._clipped_sum
+        self._sum: Callable[..., Any] = step.clipped_sum  # compiled if step was compiled
         self._apply: Callable[..., Any] = self._reduce_and_apply
         self._one: Callable[..., Any] = self._one_step
 
