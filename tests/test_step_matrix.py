@@ -27,7 +27,9 @@ Cells that do not exist, and why:
 - dist x ensemble: the distributed ensemble has no step of its own (each rank runs
   make_ensemble_train_step on its members, no communication); the ensemble row covers it.
 - dist rows run the distributed twins (data-parallel train step, distributed meta step,
-  DistributedDPStep) on a world of one gloo process, in-process.
+  DistributedDPStep) on a world of one gloo process, in-process; the sharded DP row
+  (make_sharded_dp_train_step) too, where frozen, trainable, bf16 and fp16 are refused with
+  an error (tested as such).
 - meta x fp16 overflow uses first-order MAML (the scaled outer loss; the inner loop runs
   unscaled in fp16).
 """
@@ -47,8 +49,11 @@ from torch import nn
 
 from torchfn.distributed import (
     DistributedDPStep,
+    ShardLayout,
+    init_sharded_dp_state,
     make_data_parallel_train_step,
     make_distributed_meta_train_step,
+    make_sharded_dp_train_step,
 )
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
 from torchfn.functional import (
@@ -69,7 +74,7 @@ KINDS = ["local", "dist"]
 @pytest.fixture
 def world(request: pytest.FixtureRequest):
     """For ``kind == "dist"``: a world of one gloo process, in this process (no spawning)."""
-    if request.node.callspec.params.get("kind") != "dist":
+    if request.node.callspec.params.get("kind") not in ("dist", "sharded"):
         yield None
         return
     store = dist.HashStore()
@@ -502,6 +507,59 @@ def test_dp(feature: str, kind: str, world) -> None:
         for n in frozen:
             assert torch.equal(state.params[n], params[n])
             assert n not in state.opt_state[0].mu
+
+
+_SHARDED_REFUSED = {"frozen": r"make_dp_train_step\(ghost=\.\.\.\) .*frozen params",
+                    "trainable": r"make_dp_train_step\(trainable=\.\.\.\)",
+                    "bf16": r"make_dp_train_step\(amp=\.\.\.\) .*got 'bf16'",
+                    "fp16": r"make_dp_train_step\(amp=\.\.\.\) .*got 'fp16'"}
+
+
+def _sharded_dp_setup(feature: str, world) -> tuple:
+    cfg = _setup(feature)
+    net = _net(cfg["dtype"], freeze=cfg["freeze"], whole_layer=True)
+    ghost, params, buffers = make_ghost_model(net)
+    opt = _optimizer(cfg)
+    kw = {"amp": cfg["amp"], "lr_schedule": _sched if cfg["sched"] else None}
+    if cfg["trainable"] is not None:
+        kw["trainable"] = cfg["trainable"]
+    step = make_dp_train_step(ghost, _per_sample_loss, opt, noise_multiplier=0.0,
+                              max_grad_norm=DP_C, sample_rate=DP_Q, dataset_size=DP_N, **kw)
+    return cfg, net, params, buffers, opt, step, ShardLayout.from_params(params, group=world)
+
+
+@pytest.mark.parametrize("kind", ["sharded"])
+@pytest.mark.parametrize("feature", list(_SHARDED_REFUSED))
+def test_dp_sharded_refuses(feature: str, kind: str, world) -> None:
+    *_, step, layout = _sharded_dp_setup(feature, world)
+    with pytest.raises(ValueError, match=_SHARDED_REFUSED[feature]):
+        make_sharded_dp_train_step(step, layout)
+
+
+@pytest.mark.parametrize("kind", ["sharded"])
+@pytest.mark.parametrize("feature", [f for f in DP_FEATURES if f not in _SHARDED_REFUSED])
+def test_dp_sharded(feature: str, kind: str, world) -> None:
+    cfg, net, params, buffers, opt, step, layout = _sharded_dp_setup(feature, world)
+    run = make_sharded_dp_train_step(step, layout)
+    state = init_sharded_dp_state(params, buffers, opt, layout, seed=0)
+    valid = torch.ones(8, dtype=torch.bool)
+    metrics = []
+    batches = _batches(cfg)
+    for x, y in batches:
+        if cfg["accum"] > 1:  # two physical batches of one logical step, on the full params
+            full = state._replace(params=layout.gather(state.params))
+            parts = [step.clipped_sum(full, (x[i:i + 4], y[i:i + 4]), valid[:4]) for i in (0, 4)]
+            state, m = run.apply(state, step.add(*parts))
+        else:
+            state, m = run(state, (x, y), valid)
+        metrics.append(m)
+    ref, skipped = _dp_reference(net, batches, cfg)
+    got = layout.gather(state.params)
+    for n, p in ref.items():
+        torch.testing.assert_close(got[n], p, **_close_batched(cfg), msg=n)
+        assert torch.isfinite(got[n]).all()
+    _check_metrics(cfg, metrics, skipped)
+    assert int(state.skipped) == sum(skipped)
 
 
 # -- optimizer type errors, every step kind ------------------------------------------------------

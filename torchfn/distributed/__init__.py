@@ -34,23 +34,31 @@ from torchfn.distributed._sharded import init_sharded_state as init_sharded_stat
 from torchfn.distributed._sharded import load_sharded_checkpoint as load_sharded_checkpoint
 from torchfn.distributed._sharded import make_sharded_train_step as make_sharded_train_step
 from torchfn.distributed._sharded import save_sharded_checkpoint as save_sharded_checkpoint
+from torchfn.distributed._sharded_dp import ShardedDPStep as ShardedDPStep
+from torchfn.distributed._sharded_dp import init_sharded_dp_state as init_sharded_dp_state
+from torchfn.distributed._sharded_dp import (
+    make_sharded_dp_train_step as make_sharded_dp_train_step,
+)
 
 __all__ = [
     "DistInfo",
     "DistributedDPStep",
     "ShardLayout",
+    "ShardedDPStep",
     "all_gather_tree",
     "all_reduce_clipped_sum",
     "all_reduce_tree",
     "gather_members",
     "gather_sharded_state",
     "init_from_env",
+    "init_sharded_dp_state",
     "init_sharded_state",
     "load_ensemble_shard",
     "load_sharded_checkpoint",
     "make_data_parallel_train_step",
     "make_distributed_meta_train_step",
     "make_grad_reducer",
+    "make_sharded_dp_train_step",
     "make_sharded_train_step",
     "member_range",
     "save_checkpoint_once",

@@ -127,6 +127,10 @@ class ShardLayout:
 
     def reduce_scatter_mean(self, grads: Mapping[str, Tensor]) -> TensorDict:
         """Return this rank's shard of the mean over ranks of full-shaped ``grads``."""
+        return {k: v / self.world_size for k, v in self.reduce_scatter_sum(grads).items()}
+
+    def reduce_scatter_sum(self, grads: Mapping[str, Tensor]) -> TensorDict:
+        """Return this rank's flat ``(chunk,)`` shard of the sum over ranks of full ``grads``."""
         pg = _group(self.group)
         out: TensorDict = {}
         for names in self._by_dtype():
@@ -135,7 +139,7 @@ class ShardLayout:
                                              - self.numel(k))).view(self.world_size, -1)
                     for k in names]
             flat = torch.cat(rows, dim=1).reshape(-1)
-            mine = _materialise(_reduce_scatter(flat, "sum", 0, pg)) / self.world_size
+            mine = _materialise(_reduce_scatter(flat, "sum", 0, pg))
             for k, part in zip(names, mine.split([self.chunk(k) for k in names]), strict=True):
                 out[k] = part
         return {k: out[k] for k in self.shapes}
@@ -414,11 +418,16 @@ def _state_dict(state: TrainState, layout: ShardLayout, optimizer: GradientTrans
            if isinstance(leaf, Tensor)}
     sd: dict[str, Any] = {
         "params": {n: _dtensor(t, n, layout, mesh) for n, t in state.params.items()},
-        "opt_state": opt, "buffers": dict(state.buffers), "step": state.step,
-        "seed": state.seed, "loss_scale": {"scale": state.loss_scale.scale,
-                                           "growth_tracker": state.loss_scale.growth_tracker}}
-    if state.skipped is not None:
-        sd["skipped"] = state.skipped
+        "opt_state": opt}
+    # every other field is replicated (TrainState: buffers, step, seed, loss_scale, skipped;
+    # DPState: buffers, step, key, loss_scale, skipped, clip_norm); None fields are left out
+    for name in state._fields:
+        value = getattr(state, name)
+        if name in ("params", "opt_state") or value is None:
+            continue
+        sd[name] = dict(value._asdict()) if name == "loss_scale" else value
+        if name == "buffers":
+            sd[name] = dict(value)
     return sd
 
 
@@ -430,7 +439,10 @@ def save_sharded_checkpoint(path: str | os.PathLike[str], state: TrainState,
     are shards). A collective: every rank calls it and writes its own shards. Params and sharded optimizer
     leaves are saved as DTensors of their full flat ``(numel,)`` length (``Shard(0)``), so
     :func:`load_sharded_checkpoint` reads them back at any world size (resharding); replicated
-    leaves (buffers, step, seed, Adam's count) are saved once. Returns ``None``.
+    leaves (buffers, step, seed, Adam's count) are saved once. ``state`` may also be a sharded
+    :class:`torchfn.persample.DPState` (:func:`init_sharded_dp_state`): every field other than
+    ``params`` and ``opt_state`` -- its noise ``key``, ``step``, ``skipped``, ``clip_norm`` --
+    is saved as a replicated value, so a resumed DP run continues exactly. Returns ``None``.
 
     Example::
 
@@ -449,7 +461,8 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
     """Return the sharded state stored in ``path``, resharded to ``layout``'s world size.
 
     ``template`` is any state of this layout built with ``optimizer`` (e.g.
-    ``init_sharded_state(params, buffers, opt, layout, seed=0)``); its values are not used,
+    ``init_sharded_state(params, buffers, opt, layout, seed=0)``, or
+    :func:`init_sharded_dp_state` for a DP state); its values are not used,
     only its structure, shapes and devices. A collective: every rank calls it. The checkpoint
     may come from any world size (:func:`save_sharded_checkpoint`).
 
@@ -478,9 +491,9 @@ def load_sharded_checkpoint(path: str | os.PathLike[str], template: TrainState,
                   sd["opt_state"][key]
                   for key, leaf, name in zip(keys, leaves, owners, strict=True)]
     opt_state = optree.tree_unflatten(spec, new_leaves)
-    fields: dict[str, Any] = dict(
-        params=params, opt_state=opt_state, buffers=sd["buffers"], step=sd["step"],
-        seed=sd["seed"], loss_scale=template.loss_scale._replace(**sd["loss_scale"]))
-    if "skipped" in sd:
-        fields["skipped"] = sd["skipped"]
+    fields: dict[str, Any] = {"params": params, "opt_state": opt_state}
+    for name in template._fields:
+        if name in sd and name not in fields:
+            fields[name] = (template.loss_scale._replace(**sd[name]) if name == "loss_scale"
+                            else sd[name])
     return _replace(template, **fields)

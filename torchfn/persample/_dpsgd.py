@@ -73,7 +73,7 @@ from torchfn.persample._dp_clipping import (
     clip_coefficients,
     next_clip_norm,
 )
-from torchfn.persample._dp_random import fold_in, key_from_seed, normal
+from torchfn.persample._dp_random import fold_in, key_from_seed, normal, normal_slice
 from torchfn.persample._dp_secure import next_secure_key, secure_key, secure_normal
 from torchfn.persample._ghost_norms import GhostModel
 
@@ -349,39 +349,85 @@ class DPTrainStep:
                           clipped=clipped, norm_sum=(norm * mask).sum())
 
     def _apply(self, state: DPState, total: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
+        grads, noised = self._noisy(state, total.grads)
+        return self._update(state, grads, noised, total)
+
+    def _noisy(self, state: DPState, sums: Mapping[str, Tensor],
+               noise_slices: Mapping[str, tuple[int, int, int, int]] | None = None,
+               ) -> tuple[TensorDict, list[str]]:
+        """Return ``({name: (sum + noise) / (q N)}, noised names)`` for the trainable params.
+
+        ``noise_slices`` (the sharded step): ``{name: (numel, start, length, size)}`` -- the
+        param's full element count, where this shard starts in its flattened elements, how
+        many of them are real and the padded shard length. Each shard then adds exactly its
+        part of the one flat draw over the full params (:func:`normal_slice`), zero on padding,
+        so the shards together equal the unsharded noise bit for bit."""
         frozen = set(self._ghost.frozen)
         names = self._options.trainable_names(state.params, frozen)
-        noised = [k for k in total.grads if k in names]
-        sizes = [total.grads[k].numel() for k in noised]
+        noised = [k for k in sums if k in names]
         clip_norm = self._clip_norm(state)
         noise_std = self.noise_std if self.adaptive_clipping is None else (
             self.grad_noise_multiplier * clip_norm)  # sigma_grad * C_t (0-d)
         with _part("torchfn.noise"):
             self._check_key(state.key)
-            if self.secure_noise:  # ChaCha20; g + noise in float64, rounded once
-                flat = secure_normal(state.key, sum(sizes), state.step).split(sizes)
+            if noise_slices is not None:
+                if self.secure_noise:
+                    raise ValueError("DP-SGD step: sharded noise slices need the seeded noise "
+                                     "(secure_noise=False)")
+                flat = self._noise_slices(state, noised, noise_slices)
+            elif self.secure_noise:  # ChaCha20; g + noise in float64, rounded once
+                sizes = [sums[k].numel() for k in noised]
+                flat = list(secure_normal(state.key, sum(sizes), state.step).split(sizes))
             else:
+                sizes = [sums[k].numel() for k in noised]
                 flat_z = normal(state.key, (sum(sizes),), torch.float64)
                 dtypes = {state.params[k].dtype for k in noised}
                 if len(dtypes) == 1:  # one cast of the whole draw (same values as per leaf)
                     flat_z = flat_z.to(dtypes.pop())
-                flat = flat_z.split(sizes)
+                flat = list(flat_z.split(sizes))
             grads = {}
             for name, z in zip(noised, flat, strict=True):
-                g = total.grads[name].to(state.params[name].dtype)
+                g = sums[name].to(state.params[name].dtype)
                 if self.secure_noise:
                     grads[name] = ((g.to(torch.float64) + noise_std * z.reshape(g.shape))
                                    / self.expected_batch_size).to(g.dtype)
                     continue
                 noise = z.reshape(g.shape).to(g.dtype)
                 grads[name] = (g + noise_std * noise) / self.expected_batch_size
+        return grads, noised
+
+    def _noise_slices(self, state: DPState, noised: list[str],
+                      slices: Mapping[str, tuple[int, int, int, int]]) -> list[Tensor]:
+        missing = [k for k in noised if k not in slices]
+        if missing:
+            raise ValueError(f"DP-SGD step: noise_slices lack the params {missing}")
+        n = sum(slices[k][0] for k in noised)
+        out, offset = [], 0
+        for k in noised:
+            numel, start, length, size = slices[k]
+            z = normal_slice(state.key, n, offset + start, length, torch.float64)
+            out.append(torch.nn.functional.pad(z, (0, size - length)))
+            offset += numel
+        return out
+
+    def _update(self, state: DPState, grads: TensorDict, noised: list[str], total: ClippedSum,
+                finite: Tensor | None = None) -> tuple[DPState, dict[str, Tensor]]:
+        """Apply the noisy ``grads`` through the step core; ``total``'s counts give the metrics.
+
+        ``finite`` (a 0-d bool, the sharded step): whether the WHOLE noisy gradient and loss
+        are finite; the core's guard sees only this shard, so a global ``False`` reaches it as
+        a NaN loss and every rank skips alike."""
+        clip_norm = self._clip_norm(state)
         denom = torch.clamp(total.count, min=1.0)
         loss = total.loss_sum / denom
+        guard_loss = loss if finite is None else torch.where(
+            finite, loss, torch.full_like(loss, float("nan")))
         # the clipped sum is unscaled already (per sample, before clipping): no second unscale
         with _part("torchfn.apply_gradients"):
             new_state, core = apply_gradients(self._optimizer, grads, state,
                                               options=self._options, trainable=noised,
-                                              loss=loss, unscale=False, where="DP-SGD step")
+                                              loss=guard_loss, unscale=False,
+                                              where="DP-SGD step")
         n_layers = len(self.layer_thresholds) if self.layer_thresholds is not None else 1
         metrics = {
             "loss": loss,
