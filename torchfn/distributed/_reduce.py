@@ -9,14 +9,19 @@ runs while bucket ``k+1`` is packed and sent. The same functions trace under
 places the waits as late as it can). c10d's in-place ``dist.all_reduce`` compiles as well on
 torch 2.13 (checked), but it mutates its argument; the functional ones keep the step pure.
 
-A functional step computes all gradients at once (``torch.func.grad``), so unlike DDP's
-autograd hooks the reduction cannot start during the backward; the overlap is between buckets
-(and, compiled, whatever Inductor schedules around the waits).
+A functional step computes all gradients at once (``torch.func.grad``), so these reductions
+start after the backward; the overlap is between buckets (and, compiled, whatever Inductor
+schedules around the waits: ``torch._inductor.config.reorder_for_compute_comm_overlap`` moves
+each bucket's all-reduce up to where its gradients are ready). :class:`BackwardOverlapReducer`
+starts them during an eager backward instead, from per-parameter ``Tensor.register_hook``
+hooks on the params traced by ``torch.func.grad``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -145,3 +150,73 @@ def all_gather_tree(tree: Mapping[str, Tensor], *,
 def _materialise(t: Tensor) -> Tensor:
     """Return a plain tensor: eager collectives return lazily-waiting tensor subclasses."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class BackwardOverlapReducer:
+    """Eager gradient all-reduce started by per-parameter hooks while the backward runs.
+
+    :meth:`wrap` returns ``model_fn`` with a ``Tensor.register_hook`` on every parameter it is
+    called with that requires grad (inside ``torch.func.grad`` those are the traced params):
+    when the backward has produced a parameter's whole gradient, its hook launches that
+    gradient's sum all-reduce (a functional collective, not waited) and hands the pending
+    result back as the gradient, so parameter ``k``'s communication runs while the backward
+    computes the gradients of the parameters before it (the later layers' gradients come
+    first). :meth:`reduce`, used as the step's ``grad_transform``, then waits and divides by
+    the world size; parameters no hook saw (frozen, unused) go through :func:`all_reduce_tree`.
+    One all-reduce per parameter, not per bucket. Under ``torch.compile`` no hook is
+    registered and :meth:`reduce` is the bucketed :func:`all_reduce_tree` (Inductor schedules
+    the collectives itself). The result equals ``all_reduce_tree(grads, op="mean")``
+    elementwise (the same sum over ranks, then the same division).
+    """
+
+    def __init__(self, *, group: ProcessGroup | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        _, self.world = world_info(group, "BackwardOverlapReducer")
+        self.group, self.bucket_mb = group, bucket_mb
+        self._group_name = _group(group).group_name
+        self._registered: set[str] = set()
+        self._launched: set[str] = set()
+        self._order: list[str] = []
+        self.last_launched: tuple[str, ...] = ()  # the last step's hooks, in firing order
+
+    def begin(self) -> None:
+        """Forget the last step's hooks (call at the start of every step)."""
+        self._registered, self._launched, self._order = set(), set(), []
+
+    def wrap(self, model_fn: Any) -> Any:
+        """Return ``model_fn`` with the gradient hooks (``frozen`` names kept)."""
+
+        def hooked(params: Mapping[str, Any], buffers: Any, *args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                for name, p in params.items():
+                    # once per step: a second hook on the same tensor would reduce twice
+                    if (isinstance(p, Tensor) and p.requires_grad
+                            and name not in self._registered):
+                        self._registered.add(name)
+                        p.register_hook(functools.partial(self._launch, name))
+            return model_fn(params, buffers, *args, **kwargs)
+
+        hooked.frozen = tuple(getattr(model_fn, "frozen", ()))  # type: ignore[attr-defined]
+        return hooked
+
+    def _launch(self, name: str, grad: Tensor) -> Tensor:
+        # no_grad + detach: the op's autograd formula is not functorch-ready, and the reduced
+        # gradient needs none; the raw op returns an un-waited tensor (waited in reduce)
+        self._launched.add(name)
+        self._order.append(name)
+        with torch.no_grad():
+            return torch.ops._c10d_functional.all_reduce(grad.detach(), "sum", self._group_name)
+
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Return ``grads`` averaged over the ranks (waiting for the hooks' all-reduces)."""
+        if not self._launched:
+            return all_reduce_tree(grads, op="mean", group=self.group, bucket_mb=self.bucket_mb)
+        hooked, self.last_launched = self._launched, tuple(self._order)
+        self.begin()
+        rest = {k: v for k, v in grads.items() if k not in hooked}
+        out = (all_reduce_tree(rest, op="mean", group=self.group, bucket_mb=self.bucket_mb)
+               if rest else {})
+        for k in grads:
+            if k in hooked:
+                out[k] = torch.ops._c10d_functional.wait_tensor(grads[k]) / self.world
+        return {k: out[k] for k in grads}
