@@ -10,7 +10,9 @@ Workloads (realistic, GPU-bound sizes on an H100; ``--small`` shrinks them for a
 
 - ``data_parallel``: a 8-layer pre-LN decoder (d=1024, 16 heads, vocab 8192, ~117M params),
   8 sequences x 256 tokens per rank, Adam. Variants: ``eager`` and ``compiled``
-  (:func:`make_data_parallel_train_step`, bucketed all-reduce), ``sharded`` and
+  (:func:`make_data_parallel_train_step`, bucketed all-reduce after the backward),
+  ``overlap`` (eager, ``overlap_backward=True``: each parameter's all-reduce launched from
+  its gradient hook during the backward), ``sharded`` and
   ``sharded-compiled`` (:func:`make_sharded_train_step`: all-gather, reduce-scatter).
 - ``meta``: second-order MAML, the 4-block conv net of ``benchmarks/meta.py`` (64 channels),
   5-way 1-shot, 15 queries, 5 inner steps, 32 tasks per rank
@@ -76,11 +78,11 @@ from torchfn.optim import adam
 from torchfn.persample import PoissonSampler, init_dp_state, make_dp_train_step, make_ghost_model
 
 F64 = torch.float64
-VARIANTS = {"data_parallel": ("eager", "compiled", "sharded", "sharded-compiled"),
+VARIANTS = {"data_parallel": ("eager", "overlap", "compiled", "sharded", "sharded-compiled"),
             "meta": ("eager", "compiled"), "ensemble": ("eager", "compiled"),
             "dpsgd": ("eager", "compiled")}
 # meta compiled is opt-in (minutes of Inductor per process); sharded-compiled too (budget)
-DEFAULT_ROWS = ("data_parallel:eager,data_parallel:compiled,data_parallel:sharded,meta:eager,"
+DEFAULT_ROWS = ("data_parallel:eager,data_parallel:overlap,data_parallel:compiled,data_parallel:sharded,meta:eager,"
                 "ensemble:eager,ensemble:compiled,dpsgd:eager,dpsgd:compiled")
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative",
                   "reorder_communication_preserving_peak_memory"]
@@ -184,8 +186,9 @@ def _row_data_parallel(variant: str, world: int, rank: int, device: torch.device
         step = tdist.make_sharded_train_step(model_fn, _lm_loss, opt, layout)
     else:  # 1 process: the plain step is the baseline of every variant
         state = init_train_state(params, buffers, opt, seed=0)
-        step = (tdist.make_data_parallel_train_step(model_fn, _lm_loss, opt) if world > 1
-                else make_train_step(model_fn, _lm_loss, opt))
+        overlap = {"overlap_backward": True} if variant == "overlap" else {}
+        step = (tdist.make_data_parallel_train_step(model_fn, _lm_loss, opt, **overlap)
+                if world > 1 else make_train_step(model_fn, _lm_loss, opt))
     if variant.endswith("compiled"):
         step = _compile(step)
     return (lambda s: step(s, (ids, ids))[0]), state, cfg["batch"], info
@@ -373,6 +376,16 @@ def _check(rank: int, world: int, device: torch.device, compile_check: bool) -> 
         for batch in batches:
             ref, _ = ref_step(ref, batch)
         res[name] = {"rel_err": _rel_err(state.params, ref.params), "graphs": frames}
+
+    # data parallel with the all-reduce launched from the backward's gradient hooks
+    step = tdist.make_data_parallel_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=0.5,
+                                               overlap_backward=True)
+    state = ref = init_train_state(params, buffers, opt, seed=0)
+    ref_step = make_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=0.5)
+    for x, y in batches:
+        state, _ = step(state, (split(x), split(y)))
+        ref, _ = ref_step(ref, (x, y))
+    res["data_parallel_overlap"] = {"rel_err": _rel_err(state.params, ref.params)}
 
     # meta
     mfn, mparams, mbuffers = make_functional(_mlp((1, 16, 1)).to(device, F64))
