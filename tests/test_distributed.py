@@ -165,12 +165,14 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         tdist.save_checkpoint_once(os.path.join(root, "dp_final.pt"), state,
                                    extra={"steps": STEPS})
 
-        # overlap_backward: each param's all-reduce launched from its gradient hook; "u" is
-        # unused by the model (its hook never fires: the bucketed path reduces it)
+        # overlap_backward: bucket all-reduces launched from the gradient hooks; buckets of
+        # ~200 bytes, reversed: [u, w2], [b1], [w1]; u is unused by the model (its hook never
+        # fires), so [u, w2] never completes and falls back to the all-reduce after the backward
         ostate = init_train_state({**mlp_params(4, 8, 2, seed=1), **OVERLAP_EXTRA}, DP_BUFFERS,
                                   opt, seed=0)
         ostep = tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt,
-                                                    overlap_backward=True, **OVERLAP_KW)
+                                                    overlap_backward=True, bucket_mb=2e-4,
+                                                    **OVERLAP_KW)
         plain = tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt, **OVERLAP_KW)
         pstate = ostate
         for x, y in batches:
@@ -185,7 +187,7 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         except ValueError as e:
             accum_error = str(e)
         # the hooks fire during the backward, last layer first; u (unused) and b2 (frozen) not
-        hooks = BackwardOverlapReducer()
+        hooks = BackwardOverlapReducer(bucket_mb=1e-6)  # one param per bucket
         hstep = make_train_step(hooks.wrap(dp_model_fn), F.mse_loss, opt,
                                 grad_transform=hooks.reduce, **OVERLAP_KW)
         hooks.begin()

@@ -61,9 +61,10 @@ def make_data_parallel_train_step(
     - Compiles: ``torch.compile(step, fullgraph=True)`` traces the collectives (functional
       collectives) with the step, in one graph; Inductor can move each bucket's all-reduce up
       into the backward (``torch._inductor.config.reorder_for_compute_comm_overlap``).
-    - ``overlap_backward`` (eager): start each parameter's all-reduce from a gradient hook as
-      soon as the backward has produced it, overlapping the communication with the rest of
-      the backward (one all-reduce per parameter instead of buckets; same numbers). Not with
+    - ``overlap_backward`` (eager): launch each bucket's all-reduce from a gradient hook as
+      soon as the backward has produced the bucket's gradients (buckets in reverse parameter
+      order), overlapping the communication with the rest of the backward (same numbers).
+      Not with
       ``grad_accum_steps > 1`` (every micro-batch would be reduced). Compiled, the flag
       changes nothing: the bucketed all-reduce is traced.
 

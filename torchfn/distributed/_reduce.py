@@ -156,67 +156,81 @@ class BackwardOverlapReducer:
     """Eager gradient all-reduce started by per-parameter hooks while the backward runs.
 
     :meth:`wrap` returns ``model_fn`` with a ``Tensor.register_hook`` on every parameter it is
-    called with that requires grad (inside ``torch.func.grad`` those are the traced params):
-    when the backward has produced a parameter's whole gradient, its hook launches that
-    gradient's sum all-reduce (a functional collective, not waited) and hands the pending
-    result back as the gradient, so parameter ``k``'s communication runs while the backward
-    computes the gradients of the parameters before it (the later layers' gradients come
-    first). :meth:`reduce`, used as the step's ``grad_transform``, then waits and divides by
-    the world size; parameters no hook saw (frozen, unused) go through :func:`all_reduce_tree`.
-    One all-reduce per parameter, not per bucket. Under ``torch.compile`` no hook is
-    registered and :meth:`reduce` is the bucketed :func:`all_reduce_tree` (Inductor schedules
-    the collectives itself). The result equals ``all_reduce_tree(grads, op="mean")``
-    elementwise (the same sum over ranks, then the same division).
+    called with that requires grad (inside ``torch.func.grad`` those are the traced params).
+    The parameters are put in buckets of about ``bucket_mb`` MB in reverse order (the backward
+    produces the last layers' gradients first). A tensor hook fires once that tensor's whole
+    gradient is known; when the last gradient of a bucket arrives, the hook packs the bucket
+    and launches its sum all-reduce (a functional collective, not waited), so bucket ``k``'s
+    communication runs while the backward computes the earlier layers' gradients. The hooks
+    return the gradients unchanged. :meth:`reduce`, used as the step's ``grad_transform``,
+    waits for the launched buckets and divides by the world size; parameters of buckets that
+    never completed (frozen or unused params, whose hooks do not fire) go through
+    :func:`all_reduce_tree`. Under ``torch.compile`` no hook is registered and :meth:`reduce`
+    is the bucketed :func:`all_reduce_tree` (Inductor schedules the collectives itself). The
+    result equals ``all_reduce_tree(grads, op="mean")`` elementwise (the same sums over
+    ranks, then the same division).
     """
 
     def __init__(self, *, group: ProcessGroup | None = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
         _, self.world = world_info(group, "BackwardOverlapReducer")
+        if not bucket_mb > 0:
+            raise ValueError(f"BackwardOverlapReducer(bucket_mb=...): expected > 0, got "
+                             f"{bucket_mb!r}")
         self.group, self.bucket_mb = group, bucket_mb
         self._group_name = _group(group).group_name
-        self._registered: set[str] = set()
-        self._launched: set[str] = set()
-        self._order: list[str] = []
-        self.last_launched: tuple[str, ...] = ()  # the last step's hooks, in firing order
+        self.last_launched: tuple[str, ...] = ()  # the last step's buckets, in launch order
+        self.begin()
 
     def begin(self) -> None:
-        """Forget the last step's hooks (call at the start of every step)."""
-        self._registered, self._launched, self._order = set(), set(), []
+        """Forget the last step's hooks and buckets (call at the start of every step)."""
+        self._bucket_of: dict[str, tuple[str, ...]] = {}
+        self._ready: dict[str, Tensor] = {}
+        self._pending: list[tuple[tuple[str, ...], Tensor]] = []
 
     def wrap(self, model_fn: Any) -> Any:
         """Return ``model_fn`` with the gradient hooks (``frozen`` names kept)."""
 
         def hooked(params: Mapping[str, Any], buffers: Any, *args: Any, **kwargs: Any) -> Any:
             if not torch.compiler.is_compiling():
-                for name, p in params.items():
-                    # once per step: a second hook on the same tensor would reduce twice
-                    if (isinstance(p, Tensor) and p.requires_grad
-                            and name not in self._registered):
-                        self._registered.add(name)
-                        p.register_hook(functools.partial(self._launch, name))
+                # once per step: a second hook on the same tensor would reduce it twice
+                new = {n: p for n, p in reversed(list(params.items()))
+                       if isinstance(p, Tensor) and p.requires_grad and n not in self._bucket_of}
+                for bucket in _buckets(new, int(self.bucket_mb * 2**20)):
+                    for n in bucket:
+                        self._bucket_of[n] = tuple(bucket)
+                for n, p in new.items():
+                    p.register_hook(functools.partial(self._on_grad, n))
             return model_fn(params, buffers, *args, **kwargs)
 
         hooked.frozen = tuple(getattr(model_fn, "frozen", ()))  # type: ignore[attr-defined]
         return hooked
 
-    def _launch(self, name: str, grad: Tensor) -> Tensor:
+    def _on_grad(self, name: str, grad: Tensor) -> Tensor:
         # no_grad + detach: the op's autograd formula is not functorch-ready, and the reduced
         # gradient needs none; the raw op returns an un-waited tensor (waited in reduce)
-        self._launched.add(name)
-        self._order.append(name)
         with torch.no_grad():
-            return torch.ops._c10d_functional.all_reduce(grad.detach(), "sum", self._group_name)
+            self._ready[name] = grad.detach()
+            bucket = self._bucket_of[name]
+            if all(n in self._ready for n in bucket):
+                flat = torch.cat([self._ready.pop(n).reshape(-1) for n in bucket])
+                red = torch.ops._c10d_functional.all_reduce(flat, "sum", self._group_name)
+                self._pending.append((bucket, red))
+        return grad
 
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """Return ``grads`` averaged over the ranks (waiting for the hooks' all-reduces)."""
-        if not self._launched:
-            return all_reduce_tree(grads, op="mean", group=self.group, bucket_mb=self.bucket_mb)
-        hooked, self.last_launched = self._launched, tuple(self._order)
+        pending = self._pending
+        self.last_launched = tuple(n for bucket, _ in pending for n in bucket)
         self.begin()
-        rest = {k: v for k, v in grads.items() if k not in hooked}
-        out = (all_reduce_tree(rest, op="mean", group=self.group, bucket_mb=self.bucket_mb)
-               if rest else {})
-        for k in grads:
-            if k in hooked:
-                out[k] = torch.ops._c10d_functional.wait_tensor(grads[k]) / self.world
+        out: dict[str, Tensor] = {}
+        for bucket, red in pending:
+            red = torch.ops._c10d_functional.wait_tensor(red) / self.world
+            parts = red.split([grads[k].numel() for k in bucket])
+            for k, part in zip(bucket, parts, strict=True):
+                out[k] = part.view(grads[k].shape)
+        rest = {k: v for k, v in grads.items() if k not in out}
+        if rest:
+            out.update(all_reduce_tree(rest, op="mean", group=self.group,
+                                       bucket_mb=self.bucket_mb))
         return {k: out[k] for k in grads}
