@@ -174,12 +174,18 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
                                                     overlap_backward=True, bucket_mb=2e-4,
                                                     **OVERLAP_KW)
         plain = tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt, **OVERLAP_KW)
-        pstate = ostate
+        # compiled, the flag changes nothing (no hooks; the bucketed all-reduce is traced)
+        ocounter = CompileCounterWithBackend("aot_eager")
+        cstep = torch.compile(tdist.make_data_parallel_train_step(
+            dp_model_fn, F.mse_loss, opt, overlap_backward=True, **OVERLAP_KW),
+            fullgraph=True, backend=ocounter)
+        pstate = cstate = ostate
         for x, y in batches:
             half = x.shape[0] // world
             sl = slice(rank * half, (rank + 1) * half)
             ostate, ometrics = ostep(ostate, (x[sl], y[sl]))
             pstate, _ = plain(pstate, (x[sl], y[sl]))
+            cstate, _ = cstep(cstate, (x[sl], y[sl]))
         try:
             tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt,
                                                 overlap_backward=True, grad_accum_steps=2)
@@ -195,7 +201,8 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
                                DP_BUFFERS, opt, seed=0), batches[0])
         out["dp_overlap"] = {"params": ostate.params, "plain": pstate.params,
                              "grad_norm": ometrics["grad_norm"], "accum_error": accum_error,
-                             "order": hooks.last_launched}
+                             "order": hooks.last_launched, "compiled": cstate.params,
+                             "frames": ocounter.frame_count}
 
         # eager dropout: each rank draws its own masks (seed folded with the rank)
         def drop_fn(p: dict, b: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -368,6 +375,8 @@ def test_data_parallel_overlap_backward_equals_one_process(ranks):
     # the same elementwise sums as the bucketed all-reduce: bitwise equal to the plain step
     for k, v in got["plain"].items():
         assert torch.equal(got["params"][k], v), k
+    _assert_tree_close(got["compiled"], got["params"])
+    assert got["frames"] == 1
     # w2 is the last layer: its gradient is ready first (b1/w1 in either order)
     assert got["order"][0] == "w2" and set(got["order"]) == {"w1", "b1", "w2"}
     assert re.search(r"overlap_backward=True, grad_accum_steps=2\): the gradient hooks would "
