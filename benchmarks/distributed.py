@@ -567,6 +567,8 @@ def _markdown(report: dict[str, Any], worlds: list[int]) -> str:
     if errors:
         lines += ["", "Errors:", *errors]
     for w, checks in report["equality_float64"].items():
+        if not checks:
+            continue
         lines += ["", f"| float64 check, W={w} vs 1 process (same global batch) | relative "
                   "error | graphs | ok |", "|---|---:|---:|---|"]
         for name, c in checks.items():
