@@ -64,9 +64,8 @@ def make_data_parallel_train_step(
     - ``overlap_backward`` (eager): launch each bucket's all-reduce from a gradient hook as
       soon as the backward has produced the bucket's gradients (buckets in reverse parameter
       order), overlapping the communication with the rest of the backward (same numbers).
-      Not with
-      ``grad_accum_steps > 1`` (every micro-batch would be reduced). Compiled, the flag
-      changes nothing: the bucketed all-reduce is traced.
+      Not with ``grad_accum_steps > 1`` (every micro-batch would be reduced). Compiled, the
+      flag changes nothing: the bucketed all-reduce is traced (Inductor may move it).
 
     Example::
 

@@ -152,11 +152,16 @@ def _materialise(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+def _is_traced(t: Tensor) -> bool:
+    """Whether ``t`` is an input that ``torch.func.grad`` differentiates (a wrapped tensor)."""
+    return bool(torch._C._functorch.is_gradtrackingtensor(t)) and t.requires_grad
+
+
 class BackwardOverlapReducer:
     """Eager gradient all-reduce started by per-parameter hooks while the backward runs.
 
     :meth:`wrap` returns ``model_fn`` with a ``Tensor.register_hook`` on every parameter it is
-    called with that requires grad (inside ``torch.func.grad`` those are the traced params).
+    called with that ``torch.func.grad`` differentiates (the traced, trainable params).
     The parameters are put in buckets of about ``bucket_mb`` MB in reverse order (the backward
     produces the last layers' gradients first). A tensor hook fires once that tensor's whole
     gradient is known; when the last gradient of a bucket arrives, the hook packs the bucket
@@ -193,9 +198,11 @@ class BackwardOverlapReducer:
 
         def hooked(params: Mapping[str, Any], buffers: Any, *args: Any, **kwargs: Any) -> Any:
             if not torch.compiler.is_compiling():
-                # once per step: a second hook on the same tensor would reduce it twice
+                # only the params torch.func.grad traces (a hook on a plain tensor, e.g. a
+                # frozen param, would stay on it across steps); once per step: a second hook
+                # on the same tensor would reduce it twice
                 new = {n: p for n, p in reversed(list(params.items()))
-                       if isinstance(p, Tensor) and p.requires_grad and n not in self._bucket_of}
+                       if isinstance(p, Tensor) and _is_traced(p) and n not in self._bucket_of}
                 for bucket in _buckets(new, int(self.bucket_mb * 2**20)):
                     for n in bucket:
                         self._bucket_of[n] = tuple(bucket)
