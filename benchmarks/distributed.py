@@ -1,27 +1,50 @@
-"""Scaling of torchfn.distributed: 1 vs 2 processes for the four workloads, plus equality checks.
+"""Weak scaling of torchfn.distributed over 1..N GPUs: four workloads, eager and compiled.
 
-For each workload the same per-process work runs on 1 process (the plain single-process step,
-no torch.distributed) and on 2 processes (the distributed step; weak scaling: every rank keeps
-the 1-process local batch / tasks / members, so the global work doubles):
+Every workload runs at each world size ``W`` of ``--world`` (default: 1, 2, 4, 8 up to
+``torch.cuda.device_count()``) with the SAME per-process work (weak scaling: each rank keeps
+the 1-process local batch / tasks / members, so the global work grows with ``W``)::
 
-- ``data_parallel``: ``make_data_parallel_train_step`` on an MLP (bucketed all-reduce of the
-  gradient, 25 MB buckets), examples/s;
-- ``meta``: ``make_distributed_meta_train_step``, second-order MAML on sinusoid tasks, tasks/s;
-- ``ensemble``: each rank trains its own members with ``make_ensemble_train_step`` (no
-  communication), member-examples/s; the all-gather of predictions is timed separately;
-- ``dpsgd``: ``DistributedDPStep`` (ghost clipping, sum all-reduce, noise once), examples/s.
+    efficiency(W) = throughput(W) / (W x throughput(1))
 
-scaling efficiency = throughput(2 processes) / (2 x throughput(1 process)).
+Workloads (realistic, GPU-bound sizes on an H100; ``--small`` shrinks them for a CPU smoke run):
 
-Then, on the 2 processes, every workload's distributed step is checked against the
-single-process step over the same global batch in float64 (run on rank 0 of the same job), and
-the data-parallel step once more compiled (``torch.compile(fullgraph=True)``, graph count
-recorded). NCCL on CUDA, gloo on the CPU; nothing here changes NCCL's environment (NVLink
-multicast stays as the machine has it).
+- ``data_parallel``: a 8-layer pre-LN decoder (d=1024, 16 heads, vocab 8192, ~117M params),
+  8 sequences x 256 tokens per rank, Adam. Variants: ``eager`` and ``compiled``
+  (:func:`make_data_parallel_train_step`, bucketed all-reduce after the backward),
+  ``overlap`` (eager, ``overlap_backward=True``: each parameter's all-reduce launched from
+  its gradient hook during the backward), ``sharded`` and
+  ``sharded-compiled`` (:func:`make_sharded_train_step`: all-gather, reduce-scatter).
+- ``meta``: second-order MAML, the 4-block conv net of ``benchmarks/meta.py`` (64 channels),
+  5-way 1-shot, 15 queries, 5 inner steps, 32 tasks per rank
+  (:func:`make_distributed_meta_train_step`). ``compiled`` is opt-in: Inductor needs
+  160-300 s per process for this graph (``benchmarks/results/meta-h100.md``).
+- ``ensemble``: 32 MLP members per rank (1024-2048-2048-10), 1024 examples per member, Adam
+  (:func:`make_ensemble_train_step` on this rank's members; no communication).
+- ``dpsgd``: ghost-clipped DP-SGD (:class:`DistributedDPStep`) on a 4-layer pre-LN decoder
+  (d=512, vocab 8192, ~21M params), 32 sequences x 128 tokens per rank.
+
+Compiled rows use ``torch.compile(fullgraph=True)`` with Inductor's compute/communication
+reordering on (``--overlap``, default ``reorder``: ``reorder_for_compute_comm_overlap`` with
+the passes ``reorder_communication_preserving_peak_memory``, ``sink_waits_iterative``,
+``reorder_communication_preserving_peak_memory``; ``schedule``: the ATen-graph overlap
+scheduler ``aten_distributed_optimizations.enable_overlap_scheduling``; ``none``). Their
+1-process baseline is the compiled single-process step under the same settings.
+
+Each process: ``torch.cuda.set_device(rank)``, CPU threads ``max(1, cores // W)`` and (unless
+``--no-cpu-pin``) its own slice of the CPU cores, so ranks do not fight for the host. TF32 is
+OFF (``_bench.set_tf32_off``: fp32 matmul and cuDNN). Timing (``_bench.time_calls``, wall
+clock): 2 warm-up calls (the first, with compilation, reported as ``first_call_s``), one call
+to size the sample so a repeat lasts about ``--budget-s / 4`` (the same count on every rank),
+then the median of 3 repeats after a barrier; the slowest rank's time counts.
+
+Then, at every ``W > 1``, each distributed step is checked in float64 against the
+single-process step over the same global batch (rank 0 of the same job), the data-parallel
+step once more compiled with the same Inductor settings (graph count recorded). NCCL on CUDA,
+gloo on the CPU; NCCL's environment is left as the machine has it.
 
 Run::
 
-    python benchmarks/distributed.py --out benchmarks/results/distributed-h200x2.json   # 2 GPUs
+    python benchmarks/distributed.py --out benchmarks/results/distributed-h100x2.json   # GPUs
     python benchmarks/distributed.py --small --device cpu --out /tmp/dist.json           # smoke
 """
 
@@ -31,11 +54,11 @@ import argparse
 import json
 import math
 import os
-import platform
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,8 +66,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchopt
-from _bench import time_calls
-from torch import nn
+from _bench import device_name, set_tf32_off, time_calls
+from meta import conv_net, make_tasks
+from torch import Tensor, nn
 
 from torchfn import distributed as tdist
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
@@ -54,17 +78,74 @@ from torchfn.optim import adam
 from torchfn.persample import PoissonSampler, init_dp_state, make_dp_train_step, make_ghost_model
 
 F64 = torch.float64
+VARIANTS = {"data_parallel": ("eager", "overlap", "compiled", "sharded", "sharded-compiled"),
+            "meta": ("eager", "compiled"), "ensemble": ("eager", "compiled"),
+            "dpsgd": ("eager", "compiled")}
+# meta compiled is opt-in (minutes of Inductor per process); sharded-compiled too (budget)
+DEFAULT_ROWS = ("data_parallel:eager,data_parallel:overlap,data_parallel:compiled,data_parallel:sharded,meta:eager,"
+                "ensemble:eager,ensemble:compiled,dpsgd:eager,dpsgd:compiled")
+OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+                  "reorder_communication_preserving_peak_memory"]
 
 
 def _sizes(small: bool) -> dict[str, Any]:
     if small:
-        return {"dp_dims": (32, 64, 64, 10), "dp_batch": 32, "meta_tasks": 4, "meta_hidden": 20,
-                "meta_inner": 1, "ens_members": 2, "ens_dims": (16, 32, 4), "ens_batch": 32,
-                "dpsgd_dims": (32, 64, 10), "dpsgd_batch": 32, "steps": 5, "warmup": 2}
-    return {"dp_dims": (1024, 4096, 4096, 1024, 10), "dp_batch": 512, "meta_tasks": 32,
-            "meta_hidden": 40, "meta_inner": 5, "ens_members": 8, "ens_dims": (256, 512, 10),
-            "ens_batch": 256, "dpsgd_dims": (784, 1024, 1024, 10), "dpsgd_batch": 512,
-            "steps": 30, "warmup": 5}
+        return {"lm": {"vocab": 64, "d": 32, "heads": 2, "layers": 2, "seq": 16, "batch": 4},
+                "meta": {"channels": 4, "n_tasks": 2, "n_way": 5, "k_shot": 1, "n_query": 2,
+                         "size": 16, "steps": 1},
+                "ens": {"members": 2, "dims": (16, 32, 4), "batch": 16},
+                "dp_lm": {"vocab": 64, "d": 32, "heads": 2, "layers": 1, "seq": 8,
+                          "batch": 4}}
+    return {"lm": {"vocab": 8192, "d": 1024, "heads": 16, "layers": 8, "seq": 256, "batch": 8},
+            "meta": {"channels": 64, "n_tasks": 32, "n_way": 5, "k_shot": 1, "n_query": 15,
+                     "size": 28, "steps": 5},
+            "ens": {"members": 32, "dims": (1024, 2048, 2048, 10), "batch": 1024},
+            "dp_lm": {"vocab": 8192, "d": 512, "heads": 8, "layers": 4, "seq": 128,
+                      "batch": 32}}
+
+
+# -- models --------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-LN decoder block: causal self-attention (SDPA) and a 4x GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class DecoderLM(nn.Module):
+    """``ids (B, T) -> logits (B, T, vocab)``: token + position embeddings, blocks, LN, head."""
+
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int, **_: Any) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return self.head(self.ln(self.blocks(self.tok(ids) + self.pos(pos))))
+
+
+def _lm_loss(logits: Tensor, ids: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def _lm_loss_per_sample(logits: Tensor, ids: Tensor) -> Tensor:
+    return F.cross_entropy(logits.transpose(1, 2), ids, reduction="none").mean(1)
 
 
 def _mlp(dims: tuple[int, ...]) -> nn.Module:
@@ -76,116 +157,177 @@ def _mlp(dims: tuple[int, ...]) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _time(fn: Any, state: Any, steps: int, warmup: int, device: torch.device,
-          distributed: bool) -> float:
-    """Return seconds per step (slowest rank) of ``state = fn(state)`` after ``warmup``."""
+def _ids(cfg: dict[str, Any], g: torch.Generator, device: torch.device) -> Tensor:
+    return torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
+
+
+# -- the rows: build(step function, state, work units per rank per step) ------------------------
+
+Row = tuple[Callable[[Any], Any], Any, int, dict[str, Any]]
+
+
+def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, fullgraph=True)
+
+
+def _row_data_parallel(variant: str, world: int, rank: int, device: torch.device,
+                       sz: dict[str, Any], g: torch.Generator) -> Row:
+    cfg = sz["lm"]
+    torch.manual_seed(0)
+    model_fn, params, buffers = make_functional(DecoderLM(**cfg).to(device))
+    opt = adam(1e-4)
+    ids = _ids(cfg, g, device)
+    n_params = sum(p.numel() for p in params.values())
+    info = {"unit": "sequences/s", "params": n_params, "grad_MB": 4 * n_params / 2**20,
+            "local_batch": f"{cfg['batch']} x {cfg['seq']} tokens"}
+    if variant.startswith("sharded") and world > 1:
+        layout = tdist.ShardLayout.from_params(params)
+        state = tdist.init_sharded_state(params, buffers, opt, layout, seed=0)
+        step = tdist.make_sharded_train_step(model_fn, _lm_loss, opt, layout)
+    else:  # 1 process: the plain step is the baseline of every variant
+        state = init_train_state(params, buffers, opt, seed=0)
+        overlap = {"overlap_backward": True} if variant == "overlap" else {}
+        step = (tdist.make_data_parallel_train_step(model_fn, _lm_loss, opt, **overlap)
+                if world > 1 else make_train_step(model_fn, _lm_loss, opt))
+    if variant.endswith("compiled"):
+        step = _compile(step)
+    return (lambda s: step(s, (ids, ids))[0]), state, cfg["batch"], info
+
+
+def _row_meta(variant: str, world: int, rank: int, device: torch.device, sz: dict[str, Any],
+              g: torch.Generator) -> Row:
+    cfg = sz["meta"]
+    torch.manual_seed(0)
+    model_fn, params, buffers = make_functional(
+        conv_net(cfg["channels"], cfg["n_way"], cfg["size"]).to(device))
+    learner = maml(model_fn, F.cross_entropy, inner_lr=0.01, inner_steps=cfg["steps"])
+    opt = adam(1e-3)
+    state = init_meta_state(learner, params, buffers, opt)
+    tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"], cfg["size"],
+                       device, torch.float32)
+    step = (tdist.make_distributed_meta_train_step(learner, opt) if world > 1
+            else make_meta_train_step(learner, opt))
+    if variant == "compiled":
+        step = _compile(step)
+    info = {"unit": "tasks/s", "local_tasks": cfg["n_tasks"], "inner_steps": cfg["steps"],
+            "task": f"{cfg['n_way']}-way {cfg['k_shot']}-shot, {cfg['n_query']} queries"}
+    return (lambda s: step(s, tasks)[0]), state, cfg["n_tasks"], info
+
+
+def _row_ensemble(variant: str, world: int, rank: int, device: torch.device,
+                  sz: dict[str, Any], g: torch.Generator) -> Row:
+    cfg = sz["ens"]
+    n, dims = cfg["members"], cfg["dims"]
+    # this rank's members: seeds [r n, (r+1) n); built on the device (model_fn checks it)
+    ens = Ensemble.from_seeds(lambda: _mlp(dims).to(device), seeds=range(rank * n, rank * n + n))
+    opt = adam(1e-3)
+    state = init_ensemble_state(ens, opt, seed=0)
+    moved = {k: v.to(device) for k, v in state.params.items()}
+    state = state._replace(params=moved, opt_state=opt.init(moved),
+                           buffers={k: v.to(device) for k, v in state.buffers.items()})
+    x = torch.randn(n, cfg["batch"], dims[0], generator=g).to(device)
+    y = torch.randint(0, dims[-1], (n, cfg["batch"]), generator=g).to(device)
+    step = make_ensemble_train_step(ens.model_fn, F.cross_entropy, opt)
+    if variant == "compiled":
+        step = _compile(step)
+    info = {"unit": "member-examples/s", "local_members": n, "batch_per_member": cfg["batch"],
+            "params_per_member": sum(v[0].numel() for v in moved.values())}
+    return (lambda s: step(s, (x, y))[0]), state, n * cfg["batch"], info
+
+
+def _row_dpsgd(variant: str, world: int, rank: int, device: torch.device, sz: dict[str, Any],
+               g: torch.Generator) -> Row:
+    cfg = sz["dp_lm"]
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(DecoderLM(**cfg).to(device))
+    opt = torchopt.sgd(0.1)
+    b = cfg["batch"]
+    # the local physical batch fully valid; the global dataset sized so that q N = W b
+    step = make_dp_train_step(ghost, _lm_loss_per_sample, opt, noise_multiplier=1.0,
+                              max_grad_norm=1.0, sample_rate=0.01, dataset_size=100 * world * b)
+    state = init_dp_state(params, buffers, opt, seed=0)
+    ids = _ids(cfg, g, device)
+    valid = torch.ones(b, dtype=torch.bool, device=device)
+    # TODO(sharded DP-SGD): another helper is adding a sharded DP-SGD step in
+    # torchfn/distributed/_sharded*.py; once it lands, add a "sharded" variant here (its state
+    # from the sharded init, the step called as run(state, (ids, ids), valid)) and list it in
+    # VARIANTS["dpsgd"].
+    run: Any = tdist.DistributedDPStep(step) if world > 1 else step
+    if variant == "compiled":
+        run = run.compile()
+    info = {"unit": "sequences/s", "params": sum(p.numel() for p in params.values()),
+            "local_batch": f"{b} x {cfg['seq']} tokens", "clipping": "ghost, flat 1.0"}
+    return (lambda s: run(s, (ids, ids), valid)[0]), state, b, info
+
+
+BUILDERS = {"data_parallel": _row_data_parallel, "meta": _row_meta, "ensemble": _row_ensemble,
+            "dpsgd": _row_dpsgd}
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def _measure(fn: Callable[[Any], Any], state: Any, device: torch.device, distributed: bool,
+             budget_s: float) -> dict[str, float]:
+    """Time ``state = fn(state)``; return ms per step (slowest rank) and the first call's s."""
     box = [state]
 
     def call() -> None:
         box[0] = fn(box[0])
 
-    t = time_calls(call, device, warmup=warmup, repeats=1, inner=steps,
+    def slowest(x: float) -> float:
+        t = torch.tensor(x, dtype=F64, device=device)
+        if distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    # 2 warm-up calls (the first compiles), then one timed call sizes the sample; every rank
+    # takes the slowest rank's size, so all ranks make the same number of collective calls
+    probe = time_calls(call, device, warmup=2, repeats=1, inner=1)
+    one = slowest(probe.median_s)
+    inner = max(1, min(100, math.ceil(budget_s / 4 / max(one, 1e-6))))
+    t = time_calls(call, device, warmup=1, repeats=3, inner=inner,
                    before_repeats=dist.barrier if distributed else None)
-    elapsed = torch.tensor(t.median_s, dtype=F64, device=device)
-    if distributed:
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return {"step_ms": 1e3 * slowest(t.median_s), "first_call_s": slowest(probe.first_call_s),
+            "steps_per_repeat": inner}
 
 
-# -- throughput ----------------------------------------------------------------------------------
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
-def _bench(world: int, rank: int, device: torch.device, sz: dict[str, Any]) -> dict[str, Any]:
+def _bench(rows: list[tuple[str, str]], world: int, rank: int, device: torch.device,
+           sz: dict[str, Any], budget_s: float) -> dict[str, Any]:
     distributed = world > 1
-    steps, warmup = sz["steps"], sz["warmup"]
     out: dict[str, Any] = {}
-    g = torch.Generator().manual_seed(1000 + rank)
-
-    # data parallel
-    torch.manual_seed(0)
-    model_fn, params, buffers = make_functional(_mlp(sz["dp_dims"]).to(device))
-    opt = adam(1e-3)
-    state = init_train_state(params, buffers, opt, seed=0)
-    b = sz["dp_batch"]
-    x = torch.randn(b, sz["dp_dims"][0], generator=g).to(device)
-    y = torch.randint(0, sz["dp_dims"][-1], (b,), generator=g).to(device)
-    step = (tdist.make_data_parallel_train_step(model_fn, F.cross_entropy, opt)
-            if distributed else make_train_step(model_fn, F.cross_entropy, opt))
-    sec = _time(lambda s: step(s, (x, y))[0], state, steps, warmup, device, distributed)
-    n_params = sum(p.numel() for p in params.values())
-    out["data_parallel"] = {"unit": "examples/s", "throughput": world * b / sec,
-                            "step_ms": 1e3 * sec, "local_batch": b, "params": n_params,
-                            "grad_MB": 4 * n_params / 2**20}
-    if distributed:  # bucket size: one tensor per bucket ... everything in one bucket
-        sweep = {}
-        for mb in (1.0, 4.0, 25.0, 1e6):
-            s_mb = tdist.make_data_parallel_train_step(model_fn, F.cross_entropy, opt,
-                                                       bucket_mb=mb)
-            sweep[f"{mb:g}"] = 1e3 * _time(lambda s, f=s_mb: f(s, (x, y))[0], state, steps,
-                                           warmup, device, distributed)
-        out["data_parallel"]["step_ms_by_bucket_mb"] = sweep
-
-    # meta
-    torch.manual_seed(0)
-    h = sz["meta_hidden"]
-    mfn, mparams, mbuffers = make_functional(_mlp((1, h, h, 1)).to(device))
-    learner = maml(mfn, F.mse_loss, inner_lr=0.01, inner_steps=sz["meta_inner"])
-    mopt = adam(1e-3)
-    mstate = init_meta_state(learner, mparams, mbuffers, mopt)
-    tasks = sinusoid_tasks(sz["meta_tasks"], 10, 10, generator=g, device=device)[0]
-    mstep = (tdist.make_distributed_meta_train_step(learner, mopt) if distributed
-             else make_meta_train_step(learner, mopt))
-    sec = _time(lambda s: mstep(s, tasks)[0], mstate, steps, warmup, device, distributed)
-    out["meta"] = {"unit": "tasks/s", "throughput": world * sz["meta_tasks"] / sec,
-                   "step_ms": 1e3 * sec, "local_tasks": sz["meta_tasks"],
-                   "inner_steps": sz["meta_inner"]}
-
-    # ensemble: this rank's members (world 2: members [r n, (r+1) n) of 2n)
-    n = sz["ens_members"]
-    # members built on the device: an ensemble's model_fn checks where its params live
-    ens = Ensemble.from_seeds(lambda: _mlp(sz["ens_dims"]).to(device),
-                              seeds=range(rank * n, rank * n + n))
-    eopt = adam(1e-3)
-    estate = init_ensemble_state(ens, eopt, seed=0)
-    estate = estate._replace(params={k: v.to(device) for k, v in estate.params.items()},
-                             buffers={k: v.to(device) for k, v in estate.buffers.items()},
-                             opt_state=eopt.init({k: v.to(device)
-                                                  for k, v in estate.params.items()}))
-    eb = sz["ens_batch"]
-    ex = torch.randn(n, eb, sz["ens_dims"][0], generator=g).to(device)
-    ey = torch.randint(0, sz["ens_dims"][-1], (n, eb), generator=g).to(device)
-    estep = make_ensemble_train_step(ens.model_fn, F.cross_entropy, eopt)
-    sec = _time(lambda s: estep(s, (ex, ey))[0], estate, steps, warmup, device, distributed)
-    out["ensemble"] = {"unit": "member-examples/s", "throughput": world * n * eb / sec,
-                       "step_ms": 1e3 * sec, "local_members": n, "batch_per_member": eb}
-    if distributed:
-        xt = ex[0]
-
-        def predict(s: Any) -> Any:
-            tdist.sharded_ensemble_apply(ens.model_fn, s.params, s.buffers, xt)
-            return s
-
-        out["ensemble"]["gathered_predict_ms"] = 1e3 * _time(predict, estate, steps, warmup,
-                                                             device, distributed)
-
-    # DP-SGD: local physical batch fully valid; global dataset sized so q N = global batch
-    torch.manual_seed(0)
-    ghost, dparams, dbuffers = make_ghost_model(_mlp(sz["dpsgd_dims"]).to(device))
-    dopt = torchopt.sgd(0.1)
-    db = sz["dpsgd_batch"]
-    dataset_size = 100 * world * db
-    dpstep = make_dp_train_step(ghost, lambda o, t: F.cross_entropy(o, t, reduction="none"),
-                                dopt, noise_multiplier=1.0, max_grad_norm=1.0,
-                                sample_rate=0.01, dataset_size=dataset_size)
-    dstate = init_dp_state(dparams, dbuffers, dopt, seed=0)
-    dx = torch.randn(db, sz["dpsgd_dims"][0], generator=g).to(device)
-    dy = torch.randint(0, sz["dpsgd_dims"][-1], (db,), generator=g).to(device)
-    valid = torch.ones(db, dtype=torch.bool, device=device)
-    run = tdist.DistributedDPStep(dpstep) if distributed else dpstep
-    sec = _time(lambda s: run(s, (dx, dy), valid)[0], dstate, steps, warmup, device,
-                distributed)
-    out["dpsgd"] = {"unit": "examples/s", "throughput": world * db / sec, "step_ms": 1e3 * sec,
-                    "local_batch": db}
+    for workload, variant in rows:
+        name = f"{workload}:{variant}"
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(1000 + rank)
+        try:
+            fn, state, units, info = BUILDERS[workload](variant, world, rank, device, sz, g)
+            m = _measure(fn, state, device, distributed, budget_s)
+            rec = {**info, **m, "throughput": world * units / (m["step_ms"] / 1e3)}
+            if device.type == "cuda":
+                rec["peak_MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
+                torch.cuda.reset_peak_memory_stats(device)
+            del fn, state
+        except Exception as e:  # recorded; a failure on one rank only would hang the others
+            rec = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        _free(device)
+        out[name] = rec
+        if rank == 0:
+            what = (f"{rec['step_ms']:.2f} ms/step, {rec['throughput']:.1f} {rec['unit']}, "
+                    f"first call {rec['first_call_s']:.1f}s" if "error" not in rec
+                    else rec["error"])
+            print(f"  [W={world}] {name}: {what} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        if distributed:
+            dist.barrier()
     return out
 
 
@@ -234,6 +376,16 @@ def _check(rank: int, world: int, device: torch.device, compile_check: bool) -> 
         for batch in batches:
             ref, _ = ref_step(ref, batch)
         res[name] = {"rel_err": _rel_err(state.params, ref.params), "graphs": frames}
+
+    # data parallel with the all-reduce launched from the backward's gradient hooks
+    step = tdist.make_data_parallel_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=0.5,
+                                               overlap_backward=True)
+    state = ref = init_train_state(params, buffers, opt, seed=0)
+    ref_step = make_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=0.5)
+    for x, y in batches:
+        state, _ = step(state, (split(x), split(y)))
+        ref, _ = ref_step(ref, (x, y))
+    res["data_parallel_overlap"] = {"rel_err": _rel_err(state.params, ref.params)}
 
     # meta
     mfn, mparams, mbuffers = make_functional(_mlp((1, 16, 1)).to(device, F64))
@@ -295,22 +447,59 @@ def _check(rank: int, world: int, device: torch.device, compile_check: bool) -> 
 # -- driver --------------------------------------------------------------------------------------
 
 
+def _set_overlap(mode: str) -> dict[str, Any]:
+    """Switch Inductor's compute/communication overlap on (``mode``); return what was set."""
+    import torch._inductor.config as ic
+
+    if mode == "reorder":
+        ic.reorder_for_compute_comm_overlap = True
+        ic.reorder_for_compute_comm_overlap_passes = list(OVERLAP_PASSES)
+        return {"reorder_for_compute_comm_overlap": True,
+                "reorder_for_compute_comm_overlap_passes": list(OVERLAP_PASSES)}
+    if mode == "schedule":
+        ic.aten_distributed_optimizations.enable_overlap_scheduling = True
+        return {"aten_distributed_optimizations.enable_overlap_scheduling": True}
+    return {}
+
+
+def _pin(rank: int, world: int, device: torch.device, max_world: int) -> dict[str, Any]:
+    """Give this rank its share of the CPU cores (and threads); return what it got."""
+    cores = sorted(os.sched_getaffinity(0))
+    # CUDA: a rank gets cores // W; CPU: cores // max(W) at every W (the same compute per rank)
+    per = max(1, len(cores) // (world if device.type == "cuda" else max_world))
+    mine = cores[rank * per:(rank + 1) * per] or cores
+    return {"cores": mine, "threads": per}
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     use_cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    else:  # one thread per process: the CPU analogue of one GPU per process
-        torch.set_num_threads(1)
+    pin = _pin(rank, world, device, max(args.worlds))
+    if not args.no_cpu_pin:
+        os.sched_setaffinity(0, pin["cores"])
+    torch.set_num_threads(pin["threads"])
+    tf32 = set_tf32_off()
+    inductor = _set_overlap(args.overlap)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world > 1:
+        import datetime
+
         kw = {"device_id": device} if use_cuda else {}
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                **kw)
+                                timeout=datetime.timedelta(minutes=10), **kw)
     try:
-        result: dict[str, Any] = {"bench": _bench(world, rank, device, _sizes(args.small))}
-        if world > 1:
-            result["checks"] = _check(rank, world, device, not args.no_compile_check)
+        if rank == 0:
+            print(f"world {world}: {pin['threads']} CPU threads per rank"
+                  f"{'' if args.no_cpu_pin else ', pinned'}", flush=True)
+        result: dict[str, Any] = {
+            "bench": _bench(args.rows, world, rank, device, _sizes(args.small), args.budget_s),
+            "tf32": tf32, "inductor": inductor, "threads_per_rank": pin["threads"],
+            "device_name": device_name(device)}
+        if world > 1 and not args.no_checks:
+            result["checks"] = _check(rank, world, device,
+                                      not args.no_compile_check and world == max(args.worlds))
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(result, f)
@@ -334,67 +523,134 @@ def _spawn(world: int, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def _parse_rows(text: str) -> list[tuple[str, str]]:
+    rows = []
+    for item in text.split(","):
+        workload, _, variant = item.strip().partition(":")
+        if workload not in VARIANTS or variant not in VARIANTS[workload]:
+            known = ", ".join(f"{w}:{v}" for w, vs in VARIANTS.items() for v in vs)
+            sys.exit(f"benchmarks/distributed.py --rows: unknown row {item!r}; known: {known}")
+        rows.append((workload, variant))
+    return rows
+
+
+def _markdown(report: dict[str, Any], worlds: list[int]) -> str:
+    others = [w for w in worlds if w > 1]
+    lines = [f"# torchfn.distributed weak scaling: {report['device']} ({report['backend']}, "
+             f"torch {report['torch']}{', --small' if report['small'] else ''})", "",
+             f"- Command: `{report['command']}`",
+             f"- TF32 off ({report['tf32']}); {report['threads']}",
+             f"- Compiled rows: `torch.compile(fullgraph=True)`, Inductor settings "
+             f"{report['inductor'] or '(defaults)'}",
+             f"- Timing: wall clock, median of 3 repeats of N steps (N sized to about "
+             f"{report['budget_s'] / 4:g} s per repeat), slowest rank; efficiency(W) = "
+             f"throughput(W) / (W x throughput(1)), every rank keeping the 1-process work.", "",
+             "| workload | variant | unit | " + " | ".join(f"thr W={w}" for w in worlds)
+             + " | " + " | ".join(f"eff W={w}" for w in others) + " | step ms ("
+             + " / ".join(str(w) for w in worlds) + ") | first call s |",
+             "|---|---|---|" + "---:|" * (len(worlds) + len(others) + 2)]
+    for name, r in report["workloads"].items():
+        workload, variant = name.split(":")
+        per = r["by_world"]
+        unit = next((v["unit"] for v in per.values() if "unit" in v), "")
+        thr = [f"{per[str(w)]['throughput']:.1f}" if "throughput" in per[str(w)] else "error"
+               for w in worlds]
+        eff = [f"{r['efficiency'][str(w)]:.3f}" if r["efficiency"].get(str(w)) is not None
+               else "-" for w in others]
+        ms = " / ".join(f"{per[str(w)]['step_ms']:.1f}" if "step_ms" in per[str(w)] else "-"
+                        for w in worlds)
+        first = max((v.get("first_call_s", 0.0) for v in per.values()), default=0.0)
+        lines.append(f"| {workload} | {variant} | {unit} | " + " | ".join(thr) + " | "
+                     + " | ".join(eff) + f" | {ms} | {first:.1f} |")
+    errors = [f"- {name} W={w}: {v['error']}" for name, r in report["workloads"].items()
+              for w, v in r["by_world"].items() if "error" in v]
+    if errors:
+        lines += ["", "Errors:", *errors]
+    for w, checks in report["equality_float64"].items():
+        if not checks:
+            continue
+        lines += ["", f"| float64 check, W={w} vs 1 process (same global batch) | relative "
+                  "error | graphs | ok |", "|---|---:|---:|---|"]
+        for name, c in checks.items():
+            lines.append(f"| {name} | {c['rel_err']:.2e} | {c.get('graphs') or '-'} | "
+                         f"{'yes' if c['ok'] else 'FAILED'} |")
+    lines += ["", f"NCCL environment: {report['env'] or 'no NCCL_* variables set'}"]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--out", required=True, help="JSON file to write (the .md next to it)")
     p.add_argument("--device", choices=("cuda", "cpu"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--world", default=None,
+                   help="comma list of world sizes (default: 1,2,4,8 up to the GPU count; "
+                        "CPU: 1,2); 1 is always run (the baseline)")
+    p.add_argument("--rows", default=DEFAULT_ROWS,
+                   help="comma list of workload:variant (default: %(default)s)")
+    p.add_argument("--overlap", choices=("reorder", "schedule", "none"), default="reorder",
+                   help="Inductor compute/communication overlap for compiled rows")
+    p.add_argument("--budget-s", type=float, default=6.0,
+                   help="timed seconds per row and world size, about (default 6)")
     p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+    p.add_argument("--no-cpu-pin", action="store_true", help="do not pin ranks to CPU cores")
+    p.add_argument("--no-checks", action="store_true", help="skip the float64 equality checks")
     p.add_argument("--no-compile-check", action="store_true",
                    help="skip the compiled data-parallel equality check")
     args = p.parse_args()
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        sys.exit(f"benchmarks/distributed.py: needs 2 GPUs, found {torch.cuda.device_count()}")
+    args.rows = _parse_rows(args.rows)
+    n_dev = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.world is None:
+        worlds = [w for w in (1, 2, 4, 8) if w <= n_dev]
+    else:
+        worlds = sorted({1, *(int(w) for w in args.world.split(","))})
+    if max(worlds) > n_dev and args.device == "cuda":
+        sys.exit(f"benchmarks/distributed.py --world {args.world}: only {n_dev} GPUs here")
+    if len(worlds) < 2:
+        sys.exit(f"benchmarks/distributed.py: needs 2 GPUs or more, found {n_dev}")
+    args.worlds = worlds
     t0 = time.time()
-    one = _spawn(1, args)
-    two = _spawn(2, args)
+    runs = {}
+    for w in worlds:
+        print(f"== world {w} ({time.time() - t0:.0f}s)", flush=True)
+        runs[w] = _spawn(w, args)
     rows = {}
-    for name, r1 in one["bench"].items():
-        r2 = two["bench"][name]
-        eff = r2["throughput"] / (2 * r1["throughput"])
-        rows[name] = {"one": r1, "two": r2, "scaling_efficiency": eff}
+    for name in runs[1]["bench"]:
+        by_world = {str(w): runs[w]["bench"][name] for w in worlds}
+        base = by_world["1"].get("throughput")
+        eff = {str(w): (by_world[str(w)]["throughput"] / (w * base)
+                        if base and "throughput" in by_world[str(w)] else None)
+               for w in worlds if w > 1}
+        rows[name] = {"by_world": by_world, "efficiency": eff}
     tol = 1e-9
-    checks = {k: v | {"ok": v["rel_err"] < tol and v.get("checkpoint_rel_err", 0.0) < tol
-                      and v.get("graphs") in (None, 1)}
-              for k, v in two["checks"].items()}
+    checks = {str(w): {k: v | {"ok": v["rel_err"] < tol and v.get("checkpoint_rel_err", 0.0) < tol
+                               and v.get("graphs") in (None, 1)}
+                       for k, v in runs[w].get("checks", {}).items()}
+              for w in worlds if w > 1}
+    first = runs[worlds[-1]]
     report = {
-        "benchmark": "torchfn.distributed scaling (weak: fixed per-process work)",
-        "device": (torch.cuda.get_device_name(0) if args.device == "cuda" else
-                   platform.processor() or "cpu"),
-        "backend": "nccl" if args.device == "cuda" else "gloo",
-        "torch": torch.__version__, "small": args.small,
+        "benchmark": "torchfn.distributed weak scaling (fixed per-process work)",
+        "device": first["device_name"], "backend": "nccl" if args.device == "cuda" else "gloo",
+        "torch": torch.__version__, "small": args.small, "worlds": worlds,
+        "command": "python " + " ".join(sys.argv), "budget_s": args.budget_s,
+        "tf32": first["tf32"], "inductor": first["inductor"],
+        "threads": ", ".join(f"W={w}: {runs[w]['threads_per_rank']} CPU threads per rank"
+                             for w in worlds) + ("" if args.no_cpu_pin else ", pinned"),
+        "sizes": _sizes(args.small),
         "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
         "workloads": rows, "equality_float64": checks, "wall_s": time.time() - t0,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    lines = [f"# torchfn.distributed scaling: {report['device']} ({report['backend']}, torch "
-             f"{report['torch']}{', --small' if args.small else ''})", "",
-             "Weak scaling (each process keeps the 1-process work); efficiency = "
-             "throughput(2) / (2 x throughput(1)).", "",
-             "| workload | unit | 1 process | 2 processes | efficiency | step ms (1 / 2) |",
-             "|---|---|---:|---:|---:|---:|"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | {r['one']['unit']} | {r['one']['throughput']:.1f} | "
-                     f"{r['two']['throughput']:.1f} | {r['scaling_efficiency']:.3f} | "
-                     f"{r['one']['step_ms']:.2f} / {r['two']['step_ms']:.2f} |")
-    sweep = rows["data_parallel"]["two"].get("step_ms_by_bucket_mb", {})
-    if sweep:
-        lines += ["", "Data-parallel step (2 processes), ms by bucket size (MB): "
-                  + ", ".join(f"{k}: {v:.2f}" for k, v in sweep.items())]
-    lines += ["", "| float64 check (2 processes vs 1, same global batch) | relative error | "
-              "graphs | ok |", "|---|---:|---:|---|"]
-    for name, c in checks.items():
-        lines.append(f"| {name} | {c['rel_err']:.2e} | {c.get('graphs') or '-'} | "
-                     f"{'yes' if c['ok'] else 'FAILED'} |")
-    lines += ["", f"NCCL environment: {report['env'] or 'no NCCL_* variables set'}"]
     md = os.path.splitext(args.out)[0] + ".md"
+    text = _markdown(report, worlds)
     with open(md, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(text)
+    print(text)
     print(f"wrote {args.out} and {md} ({report['wall_s']:.0f}s)")
-    if not all(c["ok"] for c in checks.values()):
+    failed = [c for cs in checks.values() for c in cs.values() if not c["ok"]]
+    if failed or any("error" in v for r in rows.values() for v in r["by_world"].values()):
         sys.exit(1)
 
 

@@ -8,9 +8,14 @@ checkpoint once; ``--resume`` loads it on any number of processes.
 
 Run (gloo on the CPU, NCCL when CUDA is available)::
 
-    torchrun --nproc_per_node 2 examples/distributed_train.py
-    torchrun --nproc_per_node 1 examples/distributed_train.py --resume   # another world size
+    torchrun --standalone --nproc-per-node=2 examples/distributed_train.py
+    torchrun --standalone --nproc-per-node=1 examples/distributed_train.py --resume  # other W
+    torchrun --standalone --nproc-per-node=2 examples/distributed_train.py --overlap-backward
     python examples/distributed_train.py                                 # a world of one
+
+Several nodes: see torchfn/distributed/README.md ("Launching"), e.g. on every node
+``torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400
+--rdzv-id=job42 examples/distributed_train.py``.
 """
 
 import argparse
@@ -35,6 +40,8 @@ parser.add_argument("--global-batch", type=int, default=64)
 parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "torchfn_dist_example"))
 parser.add_argument("--resume", action="store_true", help="continue from --dir/ckpt.pt")
 parser.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True)")
+parser.add_argument("--overlap-backward", action="store_true",
+                    help="eager: start each gradient's all-reduce during the backward")
 args = parser.parse_args()
 
 info = init_from_env()  # nccl + cuda:LOCAL_RANK with CUDA, else gloo on the CPU
@@ -65,7 +72,8 @@ if args.resume:  # written on any world size: the state is replicated
     state, extra = load_checkpoint(ckpt, map_location=info.device, optimizer=opt)
     start_epoch = extra["epoch"] + 1
 
-step = make_data_parallel_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=1.0)
+step = make_data_parallel_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=1.0,
+                                     overlap_backward=args.overlap_backward)
 if args.compile:
     # rank 0 logs 'compiling the step (first call; ...)...' and how long it took
     step = compile_step(step, name="the step", log=(lambda m: print(m, flush=True)) if info.rank == 0 else None)

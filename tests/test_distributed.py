@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from torchfn import distributed as tdist
+from torchfn.distributed._reduce import BackwardOverlapReducer
 from torchfn.ensembles import (
     Ensemble,
     ensemble_apply,
@@ -91,6 +93,8 @@ def dp_problem() -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
 
 DP_KW = {"grad_accum_steps": 2, "max_grad_norm": 0.3}
 DP_BUFFERS = {"m": torch.zeros(4, dtype=F64)}
+OVERLAP_KW = {"max_grad_norm": 0.3, "trainable": ("w1", "b1", "w2", "u")}  # b2 frozen
+OVERLAP_EXTRA = {"u": torch.ones(3, dtype=F64)}
 
 
 def meta_problem() -> tuple[Any, list]:
@@ -160,6 +164,45 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
                      "grad_norm": metrics["grad_norm"], "buffers": state.buffers}
         tdist.save_checkpoint_once(os.path.join(root, "dp_final.pt"), state,
                                    extra={"steps": STEPS})
+
+        # overlap_backward: bucket all-reduces launched from the gradient hooks; buckets of
+        # ~200 bytes, reversed: [u, w2], [b1], [w1]; u is unused by the model (its hook never
+        # fires), so [u, w2] never completes and falls back to the all-reduce after the backward
+        ostate = init_train_state({**mlp_params(4, 8, 2, seed=1), **OVERLAP_EXTRA}, DP_BUFFERS,
+                                  opt, seed=0)
+        ostep = tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt,
+                                                    overlap_backward=True, bucket_mb=2e-4,
+                                                    **OVERLAP_KW)
+        plain = tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt, **OVERLAP_KW)
+        # compiled, the flag changes nothing (no hooks; the bucketed all-reduce is traced)
+        ocounter = CompileCounterWithBackend("aot_eager")
+        cstep = torch.compile(tdist.make_data_parallel_train_step(
+            dp_model_fn, F.mse_loss, opt, overlap_backward=True, **OVERLAP_KW),
+            fullgraph=True, backend=ocounter)
+        pstate = cstate = ostate
+        for x, y in batches:
+            half = x.shape[0] // world
+            sl = slice(rank * half, (rank + 1) * half)
+            ostate, ometrics = ostep(ostate, (x[sl], y[sl]))
+            pstate, _ = plain(pstate, (x[sl], y[sl]))
+            cstate, _ = cstep(cstate, (x[sl], y[sl]))
+        try:
+            tdist.make_data_parallel_train_step(dp_model_fn, F.mse_loss, opt,
+                                                overlap_backward=True, grad_accum_steps=2)
+            accum_error = ""
+        except ValueError as e:
+            accum_error = str(e)
+        # the hooks fire during the backward, last layer first; u (unused) and b2 (frozen) not
+        hooks = BackwardOverlapReducer(bucket_mb=1e-6)  # one param per bucket
+        hstep = make_train_step(hooks.wrap(dp_model_fn), F.mse_loss, opt,
+                                grad_transform=hooks.reduce, **OVERLAP_KW)
+        hooks.begin()
+        hstep(init_train_state({**mlp_params(4, 8, 2, seed=1), **OVERLAP_EXTRA},
+                               DP_BUFFERS, opt, seed=0), batches[0])
+        out["dp_overlap"] = {"params": ostate.params, "plain": pstate.params,
+                             "grad_norm": ometrics["grad_norm"], "accum_error": accum_error,
+                             "order": hooks.last_launched, "compiled": cstate.params,
+                             "frames": ocounter.frame_count}
 
         # eager dropout: each rank draws its own masks (seed folded with the rank)
         def drop_fn(p: dict, b: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -313,6 +356,31 @@ def test_data_parallel_equals_one_process(ranks):
     loaded, extra = load_checkpoint(root / "dp_final.pt", optimizer=opt)
     assert extra == {"steps": STEPS} and int(loaded.step) == STEPS
     _assert_tree_close(loaded.params, res[0]["dp"]["params"], rtol=0, atol=0)
+
+
+def test_data_parallel_overlap_backward_equals_one_process(ranks):
+    _, res = ranks
+    opt = adam(1e-2)
+    state = init_train_state({**mlp_params(4, 8, 2, seed=1), **OVERLAP_EXTRA}, DP_BUFFERS, opt,
+                             seed=0)
+    step = make_train_step(dp_model_fn, F.mse_loss, opt, **OVERLAP_KW)
+    for batch in dp_problem():
+        state, metrics = step(state, batch)
+    _assert_replicated(res, "dp_overlap", "params")
+    got = res[0]["dp_overlap"]
+    _assert_tree_close(got["params"], state.params)
+    torch.testing.assert_close(got["grad_norm"], metrics["grad_norm"], **TOL)
+    assert not torch.equal(got["params"]["w1"], mlp_params(4, 8, 2, seed=1)["w1"])  # trained
+    assert torch.equal(got["params"]["b2"], state.params["b2"])  # frozen, untouched
+    # the same elementwise sums as the bucketed all-reduce: bitwise equal to the plain step
+    for k, v in got["plain"].items():
+        assert torch.equal(got["params"][k], v), k
+    _assert_tree_close(got["compiled"], got["params"])
+    assert got["frames"] == 1
+    # w2 is the last layer: its gradient is ready first (b1/w1 in either order)
+    assert got["order"][0] == "w2" and set(got["order"]) == {"w1", "b1", "w2"}
+    assert re.search(r"overlap_backward=True, grad_accum_steps=2\): the gradient hooks would "
+                     r"all-reduce every micro-batch", got["accum_error"])
 
 
 def test_data_parallel_dropout_differs_per_rank(ranks):

@@ -12,7 +12,12 @@ from torchopt.base import GradientTransformation
 
 from torchfn._checks import _replace
 from torchfn.distributed._env import world_info
-from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree, make_grad_reducer
+from torchfn.distributed._reduce import (
+    DEFAULT_BUCKET_MB,
+    BackwardOverlapReducer,
+    all_reduce_tree,
+    make_grad_reducer,
+)
 from torchfn.functional import TrainState, make_train_step
 
 __all__ = ["make_data_parallel_train_step"]
@@ -29,6 +34,7 @@ def make_data_parallel_train_step(
     group: ProcessGroup | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     sync_buffers: bool = True,
+    overlap_backward: bool = False,
     **train_step_kwargs: Any,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Tensor]]]:
     """Return ``step(state, local_batch) -> (new_state, metrics)``, data parallel over ``group``.
@@ -53,7 +59,13 @@ def make_data_parallel_train_step(
       ``with step_rng(rank_state):`` with ``rank_state = state._replace(seed=state.seed +
       rank * 1000003)``.
     - Compiles: ``torch.compile(step, fullgraph=True)`` traces the collectives (functional
-      collectives) with the step, in one graph.
+      collectives) with the step, in one graph; Inductor can move each bucket's all-reduce up
+      into the backward (``torch._inductor.config.reorder_for_compute_comm_overlap``).
+    - ``overlap_backward`` (eager): launch each bucket's all-reduce from a gradient hook as
+      soon as the backward has produced the bucket's gradients (buckets in reverse parameter
+      order), overlapping the communication with the rest of the backward (same numbers).
+      Not with ``grad_accum_steps > 1`` (every micro-batch would be reduced). Compiled, the
+      flag changes nothing: the bucketed all-reduce is traced (Inductor may move it).
 
     Example::
 
@@ -67,10 +79,23 @@ def make_data_parallel_train_step(
                         "transform with make_grad_reducer() and call make_train_step instead")
     reducer = make_grad_reducer(group=group, bucket_mb=bucket_mb)
     rank, _ = world_info(group, "make_data_parallel_train_step")
-    inner = make_train_step(model_fn, loss_fn, optimizer, grad_transform=reducer,
-                            **train_step_kwargs)
+    if overlap_backward:
+        accum = train_step_kwargs.get("grad_accum_steps", 1)
+        if accum != 1:
+            raise ValueError(f"make_data_parallel_train_step(overlap_backward=True, "
+                             f"grad_accum_steps={accum}): the gradient hooks would all-reduce "
+                             f"every micro-batch ({accum} times the traffic); use "
+                             f"overlap_backward=False with gradient accumulation")
+        hooks = BackwardOverlapReducer(group=group, bucket_mb=bucket_mb)
+        inner = make_train_step(hooks.wrap(model_fn), loss_fn, optimizer,
+                                grad_transform=hooks.reduce, **train_step_kwargs)
+    else:
+        inner = make_train_step(model_fn, loss_fn, optimizer, grad_transform=reducer,
+                                **train_step_kwargs)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
+        if overlap_backward and not torch.compiler.is_compiling():
+            hooks.begin()
         if rank and not torch.compiler.is_compiling():  # distinct dropout masks per rank
             new_state, metrics = inner(_replace(state, seed=state.seed + _RANK_SALT * rank), batch)
             new_state = _replace(new_state, seed=state.seed)

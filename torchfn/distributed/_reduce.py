@@ -9,14 +9,19 @@ runs while bucket ``k+1`` is packed and sent. The same functions trace under
 places the waits as late as it can). c10d's in-place ``dist.all_reduce`` compiles as well on
 torch 2.13 (checked), but it mutates its argument; the functional ones keep the step pure.
 
-A functional step computes all gradients at once (``torch.func.grad``), so unlike DDP's
-autograd hooks the reduction cannot start during the backward; the overlap is between buckets
-(and, compiled, whatever Inductor schedules around the waits).
+A functional step computes all gradients at once (``torch.func.grad``), so these reductions
+start after the backward; the overlap is between buckets (and, compiled, whatever Inductor
+schedules around the waits: ``torch._inductor.config.reorder_for_compute_comm_overlap`` moves
+each bucket's all-reduce up to where its gradients are ready). :class:`BackwardOverlapReducer`
+starts them during an eager backward instead, from per-parameter ``Tensor.register_hook``
+hooks on the params traced by ``torch.func.grad``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -145,3 +150,94 @@ def all_gather_tree(tree: Mapping[str, Tensor], *,
 def _materialise(t: Tensor) -> Tensor:
     """Return a plain tensor: eager collectives return lazily-waiting tensor subclasses."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _is_traced(t: Tensor) -> bool:
+    """Whether ``t`` is an input that ``torch.func.grad`` differentiates (a wrapped tensor)."""
+    return bool(torch._C._functorch.is_gradtrackingtensor(t)) and t.requires_grad
+
+
+class BackwardOverlapReducer:
+    """Eager gradient all-reduce started by per-parameter hooks while the backward runs.
+
+    :meth:`wrap` returns ``model_fn`` with a ``Tensor.register_hook`` on every parameter it is
+    called with that ``torch.func.grad`` differentiates (the traced, trainable params).
+    The parameters are put in buckets of about ``bucket_mb`` MB in reverse order (the backward
+    produces the last layers' gradients first). A tensor hook fires once that tensor's whole
+    gradient is known; when the last gradient of a bucket arrives, the hook packs the bucket
+    and launches its sum all-reduce (a functional collective, not waited), so bucket ``k``'s
+    communication runs while the backward computes the earlier layers' gradients. The hooks
+    return the gradients unchanged. :meth:`reduce`, used as the step's ``grad_transform``,
+    waits for the launched buckets and divides by the world size; parameters of buckets that
+    never completed (frozen or unused params, whose hooks do not fire) go through
+    :func:`all_reduce_tree`. Under ``torch.compile`` no hook is registered and :meth:`reduce`
+    is the bucketed :func:`all_reduce_tree` (Inductor schedules the collectives itself). The
+    result equals ``all_reduce_tree(grads, op="mean")`` elementwise (the same sums over
+    ranks, then the same division).
+    """
+
+    def __init__(self, *, group: ProcessGroup | None = None,
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        _, self.world = world_info(group, "BackwardOverlapReducer")
+        if not bucket_mb > 0:
+            raise ValueError(f"BackwardOverlapReducer(bucket_mb=...): expected > 0, got "
+                             f"{bucket_mb!r}")
+        self.group, self.bucket_mb = group, bucket_mb
+        self._group_name = _group(group).group_name
+        self.last_launched: tuple[str, ...] = ()  # the last step's buckets, in launch order
+        self.begin()
+
+    def begin(self) -> None:
+        """Forget the last step's hooks and buckets (call at the start of every step)."""
+        self._bucket_of: dict[str, tuple[str, ...]] = {}
+        self._ready: dict[str, Tensor] = {}
+        self._pending: list[tuple[tuple[str, ...], Tensor]] = []
+
+    def wrap(self, model_fn: Any) -> Any:
+        """Return ``model_fn`` with the gradient hooks (``frozen`` names kept)."""
+
+        def hooked(params: Mapping[str, Any], buffers: Any, *args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                # only the params torch.func.grad traces (a hook on a plain tensor, e.g. a
+                # frozen param, would stay on it across steps); once per step: a second hook
+                # on the same tensor would reduce it twice
+                new = {n: p for n, p in reversed(list(params.items()))
+                       if isinstance(p, Tensor) and _is_traced(p) and n not in self._bucket_of}
+                for bucket in _buckets(new, int(self.bucket_mb * 2**20)):
+                    for n in bucket:
+                        self._bucket_of[n] = tuple(bucket)
+                for n, p in new.items():
+                    p.register_hook(functools.partial(self._on_grad, n))
+            return model_fn(params, buffers, *args, **kwargs)
+
+        hooked.frozen = tuple(getattr(model_fn, "frozen", ()))  # type: ignore[attr-defined]
+        return hooked
+
+    def _on_grad(self, name: str, grad: Tensor) -> Tensor:
+        # no_grad + detach: the op's autograd formula is not functorch-ready, and the reduced
+        # gradient needs none; the raw op returns an un-waited tensor (waited in reduce)
+        with torch.no_grad():
+            self._ready[name] = grad.detach()
+            bucket = self._bucket_of[name]
+            if all(n in self._ready for n in bucket):
+                flat = torch.cat([self._ready.pop(n).reshape(-1) for n in bucket])
+                red = torch.ops._c10d_functional.all_reduce(flat, "sum", self._group_name)
+                self._pending.append((bucket, red))
+        return grad
+
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Return ``grads`` averaged over the ranks (waiting for the hooks' all-reduces)."""
+        pending = self._pending
+        self.last_launched = tuple(n for bucket, _ in pending for n in bucket)
+        self.begin()
+        out: dict[str, Tensor] = {}
+        for bucket, red in pending:
+            red = torch.ops._c10d_functional.wait_tensor(red) / self.world
+            parts = red.split([grads[k].numel() for k in bucket])
+            for k, part in zip(bucket, parts, strict=True):
+                out[k] = part.view(grads[k].shape)
+        rest = {k: v for k, v in grads.items() if k not in out}
+        if rest:
+            out.update(all_reduce_tree(rest, op="mean", group=self.group,
+                                       bucket_mb=self.bucket_mb))
+        return {k: out[k] for k in grads}
