@@ -80,10 +80,10 @@ from torchfn.persample import PoissonSampler, init_dp_state, make_dp_train_step,
 F64 = torch.float64
 VARIANTS = {"data_parallel": ("eager", "overlap", "compiled", "sharded", "sharded-compiled"),
             "meta": ("eager", "compiled"), "ensemble": ("eager", "compiled"),
-            "dpsgd": ("eager", "compiled")}
+            "dpsgd": ("eager", "compiled", "sharded")}
 # meta compiled is opt-in (minutes of Inductor per process); sharded-compiled too (budget)
 DEFAULT_ROWS = ("data_parallel:eager,data_parallel:overlap,data_parallel:compiled,data_parallel:sharded,meta:eager,"
-                "ensemble:eager,ensemble:compiled,dpsgd:eager,dpsgd:compiled")
+                "ensemble:eager,ensemble:compiled,dpsgd:eager,dpsgd:compiled,dpsgd:sharded")
 OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_iterative",
                   "reorder_communication_preserving_peak_memory"]
 
@@ -245,14 +245,16 @@ def _row_dpsgd(variant: str, world: int, rank: int, device: torch.device, sz: di
     # the local physical batch fully valid; the global dataset sized so that q N = W b
     step = make_dp_train_step(ghost, _lm_loss_per_sample, opt, noise_multiplier=1.0,
                               max_grad_norm=1.0, sample_rate=0.01, dataset_size=100 * world * b)
-    state = init_dp_state(params, buffers, opt, seed=0)
     ids = _ids(cfg, g, device)
     valid = torch.ones(b, dtype=torch.bool, device=device)
-    # TODO(sharded DP-SGD): another helper is adding a sharded DP-SGD step in
-    # torchfn/distributed/_sharded*.py; once it lands, add a "sharded" variant here (its state
-    # from the sharded init, the step called as run(state, (ids, ids), valid)) and list it in
-    # VARIANTS["dpsgd"].
-    run: Any = tdist.DistributedDPStep(step) if world > 1 else step
+    run: Any
+    if variant == "sharded" and world > 1:  # params + optimizer state sharded (ZeRO-3)
+        layout = tdist.ShardLayout.from_params(params)
+        state = tdist.init_sharded_dp_state(params, buffers, opt, layout, seed=0)
+        run = tdist.make_sharded_dp_train_step(step, layout)
+    else:  # 1 process: the plain DP step is the baseline of every variant
+        state = init_dp_state(params, buffers, opt, seed=0)
+        run = tdist.DistributedDPStep(step) if world > 1 else step
     if variant == "compiled":
         run = run.compile()
     info = {"unit": "sequences/s", "params": sum(p.numel() for p in params.values()),
