@@ -237,7 +237,7 @@ def _streaming(src: Any) -> Callable[[], Iterable[Any]]:
 
 
 def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard: int,
-             root: str) -> dict[str, Any]:
+             root: str, formats: tuple[str, ...] = FORMATS) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, *shape), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int64)
@@ -265,7 +265,7 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
         sources["parquet"] = ParquetSource(d["parquet"], label_column="label")
         sources["hf"] = HFDiskSource(d["hf"])
     for fmt in ("tar", "parquet", "hf"):
-        if fmt in sources:
+        if fmt in sources and fmt in formats:
             out = os.path.join(root, name, f"convert-{fmt}")
             t = time.perf_counter()
             write_shards(sources[fmt], out, samples_per_shard=per_shard)
@@ -326,6 +326,7 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
         loaders += [("parquet", "StreamingDataset", "not installed (pyarrow)"),
                     ("hf", "StreamingDataset", "not installed (pyarrow)")]
 
+    loaders = [t for t in loaders if t[0] == "in-memory" or t[0] in formats]
     for fmt, loader, make in loaders:
         row: dict[str, Any] = {"format": fmt, "loader": loader}
         if isinstance(make, str):
@@ -431,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-shard-small", type=int, default=1024)
     ap.add_argument("--per-shard-large", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="comma-separated subset of the rows to time (quick checks); in-memory "
+                         "is always timed")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="e.g. benchmarks/results/data-sources-cpu.md")
     a = ap.parse_args(argv)
@@ -443,13 +447,17 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv[1:] if argv is None else argv)]),
         "batch": BATCH, "workers": WORKERS, "repeats": a.repeats, "results": [],
     }
+    formats = tuple(f for f in a.formats.split(",") if f)
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        ap.error(f"--formats: unknown {unknown}; expected a subset of {list(FORMATS)}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
         if a.small:
             out["results"].append(run_case("small", (784,), a.small, a.repeats,
-                                           a.per_shard_small, root))
+                                           a.per_shard_small, root, formats))
         if a.large:
             out["results"].append(run_case("large", (3, 64, 64), a.large, a.repeats,
-                                           a.per_shard_large, root))
+                                           a.per_shard_large, root, formats))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
