@@ -264,18 +264,21 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
     if have_arrow:
         sources["parquet"] = ParquetSource(d["parquet"], label_column="label")
         sources["hf"] = HFDiskSource(d["hf"])
-    for fmt in ("tar", "parquet", "hf"):
-        if fmt in sources and fmt in formats:
-            out = os.path.join(root, name, f"convert-{fmt}")
-            t = time.perf_counter()
-            write_shards(sources[fmt], out, samples_per_shard=per_shard)
-            res["convert"].append({"source": fmt, "samples_per_s": n / (time.perf_counter() - t)})
-            shutil.rmtree(out)
+    for fmt in ("numpy", "tar", "parquet", "hf"):
+        if fmt in sources and fmt in (*formats, "numpy"):
+            for workers in (1, WORKERS):
+                out = os.path.join(root, name, f"convert-{fmt}-{workers}")
+                t = time.perf_counter()
+                write_shards(sources[fmt], out, samples_per_shard=per_shard,
+                             num_workers=workers)
+                res["convert"].append({"source": fmt, "workers": workers,
+                                       "samples_per_s": n / (time.perf_counter() - t)})
+                shutil.rmtree(out)
     bytes_per = x[0].nbytes + 8
     for c in res["convert"]:
         c["mb_per_s"] = c["samples_per_s"] * bytes_per / 1e6
-        print(f"{name:6s} write_shards from {c['source']:8s} {c['samples_per_s']:10.0f} "
-              f"samples/s ({c['mb_per_s']:.0f} MB/s)", flush=True)
+        print(f"{name:6s} write_shards from {c['source']:8s} ({c.get('workers', 1)} proc) "
+              f"{c['samples_per_s']:10.0f} samples/s ({c['mb_per_s']:.0f} MB/s)", flush=True)
 
     os.sync()  # flush the written files now, not in the background of the first timed rows
     tds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
@@ -415,11 +418,13 @@ def write_md(out: dict[str, Any], path: str) -> None:
                 f"{r['vs_in_memory']:.2f}x | {vo} | {r.get('goal_vs_memory', '')} | "
                 f"{r.get('goal_vs_own', '')} | {'yes' if r['agree'] else '**NO**'} | "
                 f"{r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f} |")
-        lines += ["", "Converter (`write_shards(source, dir, samples_per_shard=...)`, default "
-                  "xxh3_64 checksums, one process):", "",
-                  "| source | samples/s | MB/s |", "|---|---:|---:|"]
+        lines += ["", "Converter (`write_shards(source, dir, samples_per_shard=..., "
+                  "num_workers=...)`, default xxh3_64 checksums; the first numpy row also wrote "
+                  "the tfs rows' shards):", "",
+                  "| source | processes | samples/s | MB/s |", "|---|---:|---:|---:|"]
         for c in case["convert"]:
-            lines.append(f"| {c['source']} | {c['samples_per_s']:.0f} | {c['mb_per_s']:.0f} |")
+            lines.append(f"| {c['source']} | {c.get('workers', 1)} | {c['samples_per_s']:.0f} | "
+                         f"{c['mb_per_s']:.0f} |")
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))

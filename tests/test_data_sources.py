@@ -533,3 +533,39 @@ def test_tar_npy_batches_of_mixed_layouts(tmp_path):
     assert [t.dtype for t in typed] == [torch.float32, torch.int32] and typed[1].sum() == 6
     with pytest.raises(IndexError, match=r"TarSource\.read: ids must lie in \[0, 6\), got"):
         src.read([6])
+
+
+def _tree(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_write_shards_in_processes_is_byte_identical(tmp_path, tar_dir):
+    rng = np.random.default_rng(0)
+    src = NumpySource({"x": rng.standard_normal((N, 3)).astype(np.float32),
+                       "k": np.arange(N)}, labels=np.arange(N) % 5)
+    one = write_shards(src, tmp_path / "one", samples_per_shard=4, batch_size=3)
+    for workers in (2, 3, 50):  # 50 > the 10 shards: one shard per process
+        many = write_shards(src, tmp_path / f"w{workers}", samples_per_shard=4, batch_size=3,
+                            num_workers=workers)
+        assert _tree(many) == _tree(one)  # shards and manifest, byte for byte
+    tar = write_shards(_tar(tar_dir), tmp_path / "tar", samples_per_shard=8, fields=["x.npy"],
+                       num_workers=2)
+    assert _tree(tar) == _tree(write_shards(_tar(tar_dir), tmp_path / "tar1",
+                                            samples_per_shard=8, fields=["x.npy"]))
+    # a worker's error comes back with its type and text; nothing is left behind
+    with pytest.raises(TypeError, match=r"field 'txt' must be a torch.Tensor or numpy array"):
+        write_shards(_tar(tar_dir), tmp_path / "bad", samples_per_shard=10, num_workers=2)
+    assert not (tmp_path / "bad" / "manifest.json").exists()
+    assert not list((tmp_path / "bad").glob(".write-*"))
+    # shapes are checked across the processes as one writer checks across samples
+    ragged = NumpySource({"x": np.zeros((8, 2))})
+    ragged.read = lambda ids: {"x": [torch.zeros(2 if i < 4 else 3) for i in ids]}
+    with pytest.raises(ValueError, match=r"sample 4 has field 'x' of shape \(3,\), but sample "
+                       r"0 has shape \(2,\)"):
+        write_shards(ragged, tmp_path / "r", samples_per_shard=2, num_workers=2,
+                     default_label=0)
+    with pytest.raises(FileExistsError, match=r"a manifest already exists there"):
+        write_shards(src, one, samples_per_shard=4, num_workers=2)
+    with pytest.raises(ValueError, match=r"write_shards\(num_workers=0\): expected an int >= 1"):
+        write_shards(src, tmp_path / "z", samples_per_shard=4, num_workers=0)
