@@ -9,6 +9,8 @@ from torchfn.data._fsio import RemoteNpy as RemoteNpy
 from torchfn.data._plan import Plan as Plan
 from torchfn.data._plan import global_order as global_order
 from torchfn.data._plan import plan as plan
+from torchfn.data._prefetch import DevicePrefetcher as DevicePrefetcher
+from torchfn.data._prefetch import prefetch_to_device as prefetch_to_device
 from torchfn.data._samplers import ClassBalancedSampler as ClassBalancedSampler
 from torchfn.data._shards import CorruptShardError as CorruptShardError
 from torchfn.data._shards import ShardReader as ShardReader
@@ -46,6 +48,7 @@ __all__ = [
     "CorruptShardError",
     "DataInfo",
     "DataStats",
+    "DevicePrefetcher",
     "EpisodicBatchSampler",
     "HFDiskSource",
     "NumpySource",
@@ -71,6 +74,7 @@ __all__ = [
     "inspect_source",
     "open_source",
     "plan",
+    "prefetch_to_device",
     "read_manifest",
     "source_stats",
     "split_episode",
