@@ -1099,7 +1099,10 @@ class _ArrowSource:
 def _parquet_file(pa: Any, path: str) -> Any:
     # a URL is read through an fsspec file object (pyarrow reads the footer and the row
     # groups it needs as byte ranges)
-    return pa.parquet.ParquetFile(open_binary(path) if is_url(path) else path)
+    # a local file is memory-mapped (no read copy of each row group's pages)
+    if is_url(path):
+        return pa.parquet.ParquetFile(open_binary(path))
+    return pa.parquet.ParquetFile(path, memory_map=True)
 
 
 class ParquetSource(_ArrowSource):
