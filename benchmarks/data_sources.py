@@ -256,10 +256,7 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
         _write_hf(d["hf"], x, y, 4 * per_shard)
     except ImportError:
         have_arrow = False
-    t = time.perf_counter()
-    write_shards(npy_src, d["tfs"], samples_per_shard=per_shard)
-    res["convert"].append({"source": "numpy (the tfs rows' shards)",
-                           "samples_per_s": n / (time.perf_counter() - t)})
+    write_shards(npy_src, d["tfs"], samples_per_shard=per_shard)  # the tfs rows' shards
 
     sources: dict[str, Any] = {"numpy": npy_src, "tar": TarSource(d["tar"])}
     if have_arrow:
@@ -420,8 +417,7 @@ def write_md(out: dict[str, Any], path: str) -> None:
                 f"{r.get('goal_vs_own', '')} | {'yes' if r['agree'] else '**NO**'} | "
                 f"{r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f} |")
         lines += ["", "Converter (`write_shards(source, dir, samples_per_shard=..., "
-                  "num_workers=...)`, default xxh3_64 checksums; the first numpy row also wrote "
-                  "the tfs rows' shards):", "",
+                  "num_workers=...)`, default xxh3_64 checksums):", "",
                   "| source | processes | samples/s | MB/s |", "|---|---:|---:|---:|"]
         for c in case["convert"]:
             lines.append(f"| {c['source']} | {c.get('workers', 1)} | {c['samples_per_s']:.0f} | "

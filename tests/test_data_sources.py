@@ -483,6 +483,7 @@ def test_parquet_reads_each_row_group_once_per_epoch_in_own_dtypes(tmp_path, mon
     got = [int(i) for batch in ds for i in batch["k"]]
     assert sorted(got) == list(range(n))
     assert sorted(reads) == list(range(n // group))  # each row group read once this epoch
+    assert src.read(np.zeros(0, dtype=np.int64)) == {"k": []}
     with pytest.raises(ValueError, match=r"ParquetSource\(cache_units=0\): expected an int >= 1"):
         ParquetSource(tmp_path, cache_units=0)
 

@@ -1056,6 +1056,8 @@ class _ArrowSource:
         ids = _as_ids(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"{self._who}.read: ids must lie in [0, {len(self)})")
+        if not ids.size:
+            return {c: collate_values([]) for c in self.columns}
         units = np.searchsorted(self._starts, ids, side="right") - 1
         uniq = np.unique(units).tolist()
         decoded = {u: self._unit(u) for u in uniq}
