@@ -11,8 +11,9 @@ Modes (same stream, same model and seed):
 - ``plain``: ``batch["x"].to(device)`` in the loop (pageable memory, a synchronous copy);
 - ``pinned``: ``DataLoader(pin_memory=True)`` (pinned by the DataLoader's thread) and
   ``.to(device, non_blocking=True)`` on the compute stream;
-- ``prefetch``: ``DevicePrefetcher(loader, device, depth=--depth)`` (pinned, non-blocking
-  copies on a side stream, ``depth`` batches ahead).
+- ``prefetch``: ``DevicePrefetcher(loader, device, depth=--depth)`` (pinned in the main
+  thread, non-blocking copies on a side stream, ``depth`` batches ahead);
+- ``pinned+prefetch``: both: the DataLoader's thread pins, the prefetcher only copies.
 
 Per mode: ``--warmup`` steps, then ``--steps`` timed steps (wall time / steps after a
 synchronize = step time), then ``--profile-steps`` steps under ``torch.profiler``: the GPU
@@ -46,7 +47,7 @@ from torch import nn
 
 from torchfn.data import DevicePrefetcher, NumpySource, StreamingDataset, StreamingLoader
 
-MODES = ("plain", "pinned", "prefetch")
+MODES = ("plain", "pinned", "prefetch", "pinned+prefetch")
 
 
 def _model() -> nn.Module:
@@ -60,9 +61,9 @@ def _model() -> nn.Module:
 def _stream(root: str, mode: str, device: torch.device, a: argparse.Namespace) -> Iterable[Any]:
     src = NumpySource({"x": os.path.join(root, "x.npy")}, labels=os.path.join(root, "y.npy"))
     ds = StreamingDataset(src, batch_size=a.batch, seed=0)
-    pin = mode == "pinned" and device.type == "cuda"
+    pin = mode.startswith("pinned") and device.type == "cuda"
     loader = StreamingLoader(ds, num_workers=a.workers, pin_memory=pin)
-    if mode == "prefetch":
+    if mode.endswith("prefetch"):
         return DevicePrefetcher(loader, device, depth=a.depth)
     return loader
 

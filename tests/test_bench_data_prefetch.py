@@ -51,7 +51,7 @@ def test_cpu_smoke_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
-    assert [r["mode"] for r in res["rows"]] == ["plain", "pinned", "prefetch"]
+    assert [r["mode"] for r in res["rows"]] == ["plain", "pinned", "prefetch", "pinned+prefetch"]
     for r in res["rows"]:
         assert r["step_ms"] > 0 and r["idle_fraction"] is None and r["last_loss"] > 0
     # the same batches in the same order reach the model in every mode: the same last loss
