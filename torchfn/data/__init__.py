@@ -3,6 +3,7 @@
 from torchfn.data._audit import Auditor as Auditor
 from torchfn.data._audit import AuditReport as AuditReport
 from torchfn.data._audit import audit_plan as audit_plan
+from torchfn.data._convert import write_shards as write_shards
 from torchfn.data._episodic import EpisodicBatchSampler as EpisodicBatchSampler
 from torchfn.data._episodic import split_episode as split_episode
 from torchfn.data._fsio import RemoteNpy as RemoteNpy
@@ -27,7 +28,6 @@ from torchfn.data._sources import TarError as TarError
 from torchfn.data._sources import TarSource as TarSource
 from torchfn.data._sources import collate_values as collate_values
 from torchfn.data._sources import decode_member as decode_member
-from torchfn.data._sources import write_shards as write_shards
 from torchfn.data._stream import StreamingDataset as StreamingDataset
 from torchfn.data._stream import StreamingLoader as StreamingLoader
 from torchfn.data._stream import state_from_stateful_loader as state_from_stateful_loader
