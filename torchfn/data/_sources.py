@@ -393,7 +393,7 @@ def _npy_layout(data: bytes) -> _NpyLayout | None:
                 return None
         except Exception:  # np.load then raises its own error for this member
             return None
-        if dtype.hasobject:
+        if dtype.hasobject or not dtype.isnative:  # np.load (and its errors) for those
             return None
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if len(_NPY_LAYOUTS) >= 4096:
