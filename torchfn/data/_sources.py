@@ -276,12 +276,19 @@ class NumpySource:
                 f"[{ids.min()}, {ids.max()}]"
             )
         order = np.argsort(ids, kind="stable")  # rows in file order; put back after reading
-        inv = np.empty_like(order)
-        inv[order] = np.arange(len(order))
         out: dict[str, Any] = {}
         for name, a in self.arrays.items():
-            rows = np.asarray(a[ids[order]])[inv]
-            out[name] = rows.tolist() if a.dtype.kind in "US" else torch.from_numpy(rows)
+            rows = np.asarray(a[ids[order]])
+            if a.dtype.kind in "US":
+                back = np.empty_like(rows)
+                back[order] = rows
+                out[name] = back.tolist()
+                continue
+            # scattered back into plan order straight into the batch buffer (shared memory in
+            # a DataLoader worker: no further copy when it is handed over)
+            dst = empty_batch(rows.shape, rows.dtype)
+            dst[order] = rows
+            out[name] = torch.from_numpy(dst)
         return out
 
     def read_sample(self, i: int) -> dict[str, Any]:
