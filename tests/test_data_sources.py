@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import sys
 import tarfile
@@ -574,3 +575,40 @@ def test_write_shards_in_processes_is_byte_identical(tmp_path, tar_dir):
         write_shards(src, one, samples_per_shard=4, num_workers=2)
     with pytest.raises(ValueError, match=r"write_shards\(num_workers=0\): expected an int >= 1"):
         write_shards(src, tmp_path / "z", samples_per_shard=4, num_workers=0)
+
+
+def test_parquet_workers_share_decoded_row_groups(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    n, group = 192, 8
+    pq.write_table(pa.table({"k": pa.array(np.arange(n, dtype=np.int64)),
+                             "label": pa.array(np.arange(n) % 4)}),
+                   tmp_path / "a.parquet", row_group_size=group)
+    log = tmp_path / "reads.log"
+    orig = ParquetSource._table
+
+    def logged(self, u):
+        with open(log, "a") as f:  # appended by every DataLoader worker
+            f.write(f"{u}\n")
+        return orig(self, u)
+
+    monkeypatch.setattr(ParquetSource, "_table", logged)
+    reads = {}
+    for shared in (False, True):
+        log.write_text("")
+        src = ParquetSource(tmp_path / "a.parquet", label_column="label", shared_cache=shared)
+        ds = StreamingDataset(src, batch_size=4, seed=2, meta=True)
+        got = [int(k) for b in StreamingLoader(ds, num_workers=2) for k in b["k"]]
+        assert sorted(got) == list(range(n))
+        assert got == [int(i) for i in _rank_stream(ds)]  # the plan's order, same values
+        reads[shared] = len(log.read_text().split())
+        shm = src._shared.path if shared else None
+        del src, ds
+        if shm is not None:
+            import gc
+
+            gc.collect()
+            assert not os.path.exists(shm)  # removed with the source
+    assert reads[False] == 2 * (n // group)  # each worker decodes every row group
+    assert n // group <= reads[True] < 2 * (n // group)  # shared: (about) once in all

@@ -38,6 +38,7 @@ import torch
 from ._alloc import empty_batch
 from ._fsio import RemoteNpy, expand, file_size, is_url, open_binary, read_range
 from ._shards import ShardReader, read_manifest
+from ._shmcache import SharedDecodeCache
 
 __all__ = [
     "HFDiskSource",
@@ -838,13 +839,19 @@ class _ArrowSource:
         if hit is not None:
             self._cache.move_to_end(unit)
             return hit
-        pa = _pyarrow(self._who)
-        table = self._table(unit)
-        hit = (table, {c: _arrow_numpy(table.column(c), pa) for c in self.columns})
+        hit = self._decode_unit(unit)
         self._cache[unit] = hit
         while len(self._cache) > self.cache_units:
-            self._cache.popitem(last=False)
+            self._evicted(self._cache.popitem(last=False)[0])
         return hit
+
+    def _decode_unit(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]]:
+        pa = _pyarrow(self._who)
+        table = self._table(unit)
+        return table, {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
+
+    def _evicted(self, unit: int) -> None:
+        pass
 
     def read(self, ids: Any) -> dict[str, Any]:
         ids = _as_ids(ids)
@@ -876,8 +883,8 @@ class _ArrowSource:
         if slow:  # strings, ragged lists, nulls, shapes that differ between units
             pa = _pyarrow(self._who)
             order = np.argsort(units, kind="stable")
-            parts = [decoded[u][0].select(slow).take(pa.array(ids[units == u] - self._starts[u]))
-                     for u in uniq]
+            parts = [(decoded[u][0] if decoded[u][0] is not None else self._table(u)).select(
+                slow).take(pa.array(ids[units == u] - self._starts[u])) for u in uniq]
             table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
             inv = np.empty_like(order)
             inv[order] = np.arange(len(order))
@@ -911,6 +918,13 @@ class ParquetSource(_ArrowSource):
     per worker; with a larger ``shuffle_buffer`` pass ``cache_units >= 2 * shuffle_buffer /
     rows per group + 2`` (memory: that many decoded row groups per worker).
 
+    ``shared_cache=True`` (default; Linux/macOS): DataLoader workers share decoded row groups
+    through ``.npy`` files in ``/dev/shm`` (``_shmcache.py``): the first worker that needs a
+    row group decodes it under a file lock, the others map it, so each row group is decoded
+    about once per epoch in all instead of once per worker. The directory is removed when the
+    process that created the source drops it or exits (a killed process leaves
+    ``/dev/shm/torchfn-parquet-*``). ``shared_cache=False``: each process decodes for itself.
+
     ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list (local paths or
     fsspec URLs, e.g. ``memory://``, ``s3://``; URLs need ``fsspec``). ``columns``: the
     fields (default all but ``label_column``); ``label_column``: an integer column that becomes
@@ -927,7 +941,8 @@ class ParquetSource(_ArrowSource):
     _who = "ParquetSource"
 
     def __init__(self, paths: Any, *, columns: Sequence[str] | None = None,
-                 label_column: str | None = None, cache_units: int | None = None) -> None:
+                 label_column: str | None = None, cache_units: int | None = None,
+                 shared_cache: bool = True) -> None:
         pa = _pyarrow(self._who)
         self.files = _expand(paths, ".parquet", self._who)
         self._units: list[tuple[int, int]] = []
@@ -955,6 +970,22 @@ class ParquetSource(_ArrowSource):
 
         self._setup(pa, schema, rows, columns, label_column, labels_of, cache_units)
         self._fp = _digest(meta, str(schema))
+        self._shared = SharedDecodeCache(self, "parquet") if shared_cache else None
+
+    def _decode_unit(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]]:
+        if self._shared is None:
+            return super()._decode_unit(unit)
+        pa = _pyarrow(self._who)
+        def decode() -> dict[str, np.ndarray | None]:
+            table = self._table(unit)
+            return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
+
+        arrays = self._shared.get(unit, self.columns, decode)
+        return None, arrays  # the table is read again only for columns not shared (strings)
+
+    def _evicted(self, unit: int) -> None:
+        if self._shared is not None:
+            self._shared.evict(unit, self.columns)
 
     def _table(self, unit: int) -> Any:
         pa = _pyarrow(self._who)
