@@ -237,7 +237,7 @@ def _streaming(src: Any) -> Callable[[], Iterable[Any]]:
 
 
 def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard: int,
-             root: str) -> dict[str, Any]:
+             root: str, formats: tuple[str, ...] = FORMATS) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, *shape), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int64)
@@ -256,26 +256,27 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
         _write_hf(d["hf"], x, y, 4 * per_shard)
     except ImportError:
         have_arrow = False
-    t = time.perf_counter()
-    write_shards(npy_src, d["tfs"], samples_per_shard=per_shard)
-    res["convert"].append({"source": "numpy", "samples_per_s": n / (time.perf_counter() - t)})
+    write_shards(npy_src, d["tfs"], samples_per_shard=per_shard)  # the tfs rows' shards
 
     sources: dict[str, Any] = {"numpy": npy_src, "tar": TarSource(d["tar"])}
     if have_arrow:
         sources["parquet"] = ParquetSource(d["parquet"], label_column="label")
         sources["hf"] = HFDiskSource(d["hf"])
-    for fmt in ("tar", "parquet", "hf"):
-        if fmt in sources:
-            out = os.path.join(root, name, f"convert-{fmt}")
-            t = time.perf_counter()
-            write_shards(sources[fmt], out, samples_per_shard=per_shard)
-            res["convert"].append({"source": fmt, "samples_per_s": n / (time.perf_counter() - t)})
-            shutil.rmtree(out)
+    for fmt in ("numpy", "tar", "parquet", "hf"):
+        if fmt in sources and fmt in (*formats, "numpy"):
+            for workers in (1, WORKERS):
+                out = os.path.join(root, name, f"convert-{fmt}-{workers}")
+                t = time.perf_counter()
+                write_shards(sources[fmt], out, samples_per_shard=per_shard,
+                             num_workers=workers)
+                res["convert"].append({"source": fmt, "workers": workers,
+                                       "samples_per_s": n / (time.perf_counter() - t)})
+                shutil.rmtree(out)
     bytes_per = x[0].nbytes + 8
     for c in res["convert"]:
         c["mb_per_s"] = c["samples_per_s"] * bytes_per / 1e6
-        print(f"{name:6s} write_shards from {c['source']:8s} {c['samples_per_s']:10.0f} "
-              f"samples/s ({c['mb_per_s']:.0f} MB/s)", flush=True)
+        print(f"{name:6s} write_shards from {c['source']:8s} ({c.get('workers', 1)} proc) "
+              f"{c['samples_per_s']:10.0f} samples/s ({c['mb_per_s']:.0f} MB/s)", flush=True)
 
     os.sync()  # flush the written files now, not in the background of the first timed rows
     tds = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
@@ -326,6 +327,7 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
         loaders += [("parquet", "StreamingDataset", "not installed (pyarrow)"),
                     ("hf", "StreamingDataset", "not installed (pyarrow)")]
 
+    loaders = [t for t in loaders if t[0] == "in-memory" or t[0] in formats]
     for fmt, loader, make in loaders:
         row: dict[str, Any] = {"format": fmt, "loader": loader}
         if isinstance(make, str):
@@ -414,11 +416,12 @@ def write_md(out: dict[str, Any], path: str) -> None:
                 f"{r['vs_in_memory']:.2f}x | {vo} | {r.get('goal_vs_memory', '')} | "
                 f"{r.get('goal_vs_own', '')} | {'yes' if r['agree'] else '**NO**'} | "
                 f"{r['loadavg'][0]:.2f} -> {r['loadavg'][1]:.2f} |")
-        lines += ["", "Converter (`write_shards(source, dir, samples_per_shard=...)`, default "
-                  "xxh3_64 checksums, one process):", "",
-                  "| source | samples/s | MB/s |", "|---|---:|---:|"]
+        lines += ["", "Converter (`write_shards(source, dir, samples_per_shard=..., "
+                  "num_workers=...)`, default xxh3_64 checksums):", "",
+                  "| source | processes | samples/s | MB/s |", "|---|---:|---:|---:|"]
         for c in case["convert"]:
-            lines.append(f"| {c['source']} | {c['samples_per_s']:.0f} | {c['mb_per_s']:.0f} |")
+            lines.append(f"| {c['source']} | {c.get('workers', 1)} | {c['samples_per_s']:.0f} | "
+                         f"{c['mb_per_s']:.0f} |")
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -431,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-shard-small", type=int, default=1024)
     ap.add_argument("--per-shard-large", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="comma-separated subset of the rows to time (quick checks); in-memory "
+                         "is always timed")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="e.g. benchmarks/results/data-sources-cpu.md")
     a = ap.parse_args(argv)
@@ -443,13 +449,17 @@ def main(argv: list[str] | None = None) -> int:
             sys.argv[1:] if argv is None else argv)]),
         "batch": BATCH, "workers": WORKERS, "repeats": a.repeats, "results": [],
     }
+    formats = tuple(f for f in a.formats.split(",") if f)
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        ap.error(f"--formats: unknown {unknown}; expected a subset of {list(FORMATS)}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as root:
         if a.small:
             out["results"].append(run_case("small", (784,), a.small, a.repeats,
-                                           a.per_shard_small, root))
+                                           a.per_shard_small, root, formats))
         if a.large:
             out["results"].append(run_case("large", (3, 64, 64), a.large, a.repeats,
-                                           a.per_shard_large, root))
+                                           a.per_shard_large, root, formats))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -60,8 +60,9 @@ def test_tiny_run_every_row_agrees(tmp_path: Path):
             assert abs(r["sums"][k] - base["sums"][k]) <= 1e-6 * max(1.0, abs(base["sums"][k]))
         if r["loader"] == "StreamingDataset":
             assert r["goal_vs_memory"] in ("ok", "MISS")
-    assert {c["source"] for c in case["convert"]} == ({"numpy", "tar"} | (
-        {"parquet", "hf"} if arrow else set()))
+    assert sorted((c["source"], c["workers"]) for c in case["convert"]) == sorted(
+        (s, w) for s in ({"numpy", "tar"} | ({"parquet", "hf"} if arrow else set()))
+        for w in (1, 2))
     assert all(c["samples_per_s"] > 0 for c in case["convert"])
     text = md.read_text()
     assert text.startswith("# torchfn.data readers")

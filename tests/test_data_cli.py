@@ -133,6 +133,13 @@ def test_convert_then_verify_round_trip(kind, data, capsys):
     field = KINDS[kind][2]
     for i in range(N):
         assert torch.equal(shards.read_sample(i)[field], src.read_sample(i)[field])
+    # --workers: the same bytes from two processes
+    rc, _, _ = _run(capsys, ["data", "convert", *_args(kind, data), str(dst) + "-w2",
+                             "--samples-per-shard", "7", "--workers", "2", "--no-progress"])
+    assert rc == 0 and sorted(p.name for p in dst.iterdir()) == sorted(
+        p.name for p in (data / f"out-{kind}-w2").iterdir())
+    for f in sorted(p.name for p in dst.iterdir()):
+        assert (dst / f).read_bytes() == (data / f"out-{kind}-w2" / f).read_bytes()
         assert shards.read_sample(i)[field].tolist() == _x(i).tolist()
 
 
@@ -183,6 +190,9 @@ def test_errors_name_the_path_and_what_was_expected(data, tmp_path, capsys):
     assert rc == 2 and "no z.npy; the arrays are ['x', 'y']" in err
     rc, _, err = _run(capsys, ["data", "convert", str(data / "npy"), str(tmp_path / "o")])
     assert rc == 2 and "has no labels" in err and "--default-label" in err
+    rc, _, err = _run(capsys, ["data", "convert", str(data / "npy"), str(tmp_path / "o"),
+                               "--label", "y", "--workers", "0"])
+    assert rc == 2 and "--workers must be >= 1; got 0" in err
     rc, _, _ = _run(capsys, ["data", "convert", str(data / "npy"), str(tmp_path / "o"),
                              "--default-label", "0", "--no-progress"])
     assert rc == 0 and ShardSource(tmp_path / "o").labels.tolist() == [0] * N

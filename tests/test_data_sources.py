@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import sys
 import tarfile
@@ -27,6 +28,7 @@ from torchfn.data import (
     StreamingLoader,
     TarError,
     TarSource,
+    decode_member,
     plan,
     write_shards,
 )
@@ -450,3 +452,163 @@ def test_hf_disk_source(tmp_path):
     src = HFDiskSource(tmp_path)
     assert src.shard_sizes == [25, N - 25]
     _check_arrow_source(src)
+
+
+def test_parquet_reads_each_row_group_once_per_epoch_in_own_dtypes(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    n, group = 96, 8
+    x = np.arange(n * 6, dtype=np.float16).reshape(n, 2, 3)
+    table = pa.table({
+        "x": pa.array(list(x.reshape(n, 6)), type=pa.list_(pa.float16())),
+        "k": pa.array(np.arange(n, dtype=np.int32)),
+        "b": pa.array(np.arange(n) % 2 == 0),
+        "r": pa.array([[1.0] * (1 + i % 2) for i in range(n)]),  # ragged: lists stay lists
+        "label": pa.array(np.arange(n) % 4),
+    })
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=group)
+    src = ParquetSource(tmp_path, label_column="label")
+    assert src.cache_units == int(np.ceil(4 * group / group)) + 1
+    b = src.read([50, 3, 9])
+    assert b["x"].dtype == torch.float16 and b["k"].dtype == torch.int32
+    assert b["b"].dtype == torch.bool and b["b"].tolist() == [True, False, False]
+    assert b["k"].tolist() == [50, 3, 9] and b["r"] == [[1.0], [1.0, 1.0], [1.0, 1.0]]
+    assert torch.equal(b["x"].reshape(3, 6).float(), torch.from_numpy(
+        x.reshape(n, 6)[[50, 3, 9]]).float())
+    reads = []
+    orig = ParquetSource._table
+    monkeypatch.setattr(ParquetSource, "_table", lambda self, u: reads.append(u) or orig(self, u))
+    src = ParquetSource(tmp_path, label_column="label", columns=["k"])
+    ds = StreamingDataset(src, batch_size=4, seed=1, meta=True)
+    got = [int(i) for batch in ds for i in batch["k"]]
+    assert sorted(got) == list(range(n))
+    assert sorted(reads) == list(range(n // group))  # each row group read once this epoch
+    assert src.read(np.zeros(0, dtype=np.int64)) == {"k": []}
+    with pytest.raises(ValueError, match=r"ParquetSource\(cache_units=0\): expected an int >= 1"):
+        ParquetSource(tmp_path, cache_units=0)
+
+
+def _npy_bytes(a, version=None):
+    buf = io.BytesIO()
+    if version is None:
+        np.save(buf, a)
+    else:
+        np.lib.format.write_array(buf, a, version=version)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("version", [None, (1, 0), (2, 0), (3, 0)])
+def test_npy_members_decode_like_np_load(version):
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((3, 4)).astype(np.float16),
+              np.asfortranarray(rng.standard_normal((3, 5))), np.arange(6, dtype=np.int32),
+              np.array(2.5), np.zeros((0, 3)), np.arange(4, dtype=">i4")]
+    for a in arrays:
+        for _ in range(2):  # the second decode uses the cached header
+            if not a.dtype.isnative:  # torch refuses non-native byte order, as before
+                with pytest.raises(ValueError, match="byte order"):
+                    decode_member("x.npy", _npy_bytes(a, version))
+                continue
+            got = decode_member("x.npy", _npy_bytes(a, version))
+            assert got.dtype == torch.from_numpy(a).dtype and got.shape == a.shape
+            assert np.array_equal(got.numpy(), a)
+    # a payload shorter than its header says: np.load's own error, not a wrong array
+    with pytest.raises(ValueError, match=r"cannot reshape array|EOF"):
+        decode_member("npy", _npy_bytes(arrays[0], version)[:-2])
+
+
+def test_tar_npy_batches_of_mixed_layouts(tmp_path):
+    rows = [np.full((2, 3), float(i), dtype=np.float32) for i in range(4)]
+    rows[2] = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    rows.append(np.zeros((3, 2), dtype=np.float32))  # another shape: the batch is a list
+    rows.append(np.ones((2, 3), dtype=np.int32))  # same size, another dtype: a list too
+    with tarfile.open(tmp_path / "a.tar", "w") as tf:
+        for i, a in enumerate(rows):
+            data = _npy_bytes(a)
+            info = tarfile.TarInfo(f"{i:06d}.x.npy")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    src = TarSource(tmp_path / "a.tar")
+    b = src.read([3, 2, 0, 1])["x.npy"]
+    assert isinstance(b, torch.Tensor) and b.shape == (4, 2, 3)
+    assert np.array_equal(b.numpy(), np.stack([rows[3], rows[2], rows[0], rows[1]]))
+    mixed = src.read([4, 0])["x.npy"]
+    assert isinstance(mixed, list) and [t.shape for t in mixed] == [(3, 2), (2, 3)]
+    typed = src.read([0, 5])["x.npy"]
+    assert [t.dtype for t in typed] == [torch.float32, torch.int32] and typed[1].sum() == 6
+    with pytest.raises(IndexError, match=r"TarSource\.read: ids must lie in \[0, 6\), got"):
+        src.read([6])
+
+
+def _tree(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_write_shards_in_processes_is_byte_identical(tmp_path, tar_dir):
+    rng = np.random.default_rng(0)
+    src = NumpySource({"x": rng.standard_normal((N, 3)).astype(np.float32),
+                       "k": np.arange(N)}, labels=np.arange(N) % 5)
+    one = write_shards(src, tmp_path / "one", samples_per_shard=4, batch_size=3)
+    for workers in (2, 3, 50):  # 50 > the 10 shards: one shard per process
+        many = write_shards(src, tmp_path / f"w{workers}", samples_per_shard=4, batch_size=3,
+                            num_workers=workers)
+        assert _tree(many) == _tree(one)  # shards and manifest, byte for byte
+    tar = write_shards(_tar(tar_dir), tmp_path / "tar", samples_per_shard=8, fields=["x.npy"],
+                       num_workers=2)
+    assert _tree(tar) == _tree(write_shards(_tar(tar_dir), tmp_path / "tar1",
+                                            samples_per_shard=8, fields=["x.npy"]))
+    # a worker's error comes back with its type and text; nothing is left behind
+    with pytest.raises(TypeError, match=r"field 'txt' must be a torch.Tensor or numpy array"):
+        write_shards(_tar(tar_dir), tmp_path / "bad", samples_per_shard=10, num_workers=2)
+    assert not (tmp_path / "bad" / "manifest.json").exists()
+    assert not list((tmp_path / "bad").glob(".write-*"))
+    # shapes are checked across the processes as one writer checks across samples
+    ragged = NumpySource({"x": np.zeros((8, 2))})
+    ragged.read = lambda ids: {"x": [torch.zeros(2 if i < 4 else 3) for i in ids]}
+    with pytest.raises(ValueError, match=r"sample 4 has field 'x' of shape \(3,\), but sample "
+                       r"0 has shape \(2,\)"):
+        write_shards(ragged, tmp_path / "r", samples_per_shard=2, num_workers=2,
+                     default_label=0)
+    with pytest.raises(FileExistsError, match=r"a manifest already exists there"):
+        write_shards(src, one, samples_per_shard=4, num_workers=2)
+    with pytest.raises(ValueError, match=r"write_shards\(num_workers=0\): expected an int >= 1"):
+        write_shards(src, tmp_path / "z", samples_per_shard=4, num_workers=0)
+
+
+def test_parquet_workers_share_decoded_row_groups(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    n, group = 192, 8
+    pq.write_table(pa.table({"k": pa.array(np.arange(n, dtype=np.int64)),
+                             "label": pa.array(np.arange(n) % 4)}),
+                   tmp_path / "a.parquet", row_group_size=group)
+    log = tmp_path / "reads.log"
+    orig = ParquetSource._table
+
+    def logged(self, u):
+        with open(log, "a") as f:  # appended by every DataLoader worker
+            f.write(f"{u}\n")
+        return orig(self, u)
+
+    monkeypatch.setattr(ParquetSource, "_table", logged)
+    reads = {}
+    for shared in (False, True):
+        log.write_text("")
+        src = ParquetSource(tmp_path / "a.parquet", label_column="label", shared_cache=shared)
+        ds = StreamingDataset(src, batch_size=4, seed=2, meta=True)
+        got = [int(k) for b in StreamingLoader(ds, num_workers=2) for k in b["k"]]
+        assert sorted(got) == list(range(n))
+        assert got == [int(i) for i in _rank_stream(ds)]  # the plan's order, same values
+        reads[shared] = len(log.read_text().split())
+        shm = src._shared.path if shared else None
+        del src, ds
+        if shm is not None:
+            import gc
+
+            gc.collect()
+            assert not os.path.exists(shm)  # removed with the source
+    assert reads[False] == 2 * (n // group)  # each worker decodes every row group
+    assert n // group <= reads[True] < 2 * (n // group)  # shared: (about) once in all

@@ -275,8 +275,11 @@ def _cmd_data_convert(args: argparse.Namespace) -> int:
             f"{src.describe()} has no labels and .tfs shards store one integer label per "
             "sample: name the labels with --label, or pass --default-label INT"
         )
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1; got {args.workers}")
     write_shards(src, args.dst, samples_per_shard=args.samples_per_shard,
-                 default_label=args.default_label, progress=not args.no_progress)
+                 default_label=args.default_label, progress=not args.no_progress,
+                 num_workers=args.workers)
     shards = read_manifest(args.dst)["shards"]
     print(f"wrote {len(src)} samples from {src.describe()} as {len(shards)} .tfs shards "
           f"in {args.dst}")
@@ -313,6 +316,9 @@ def _add_data_commands(sub: argparse._SubParsersAction) -> None:
                    help="samples per .tfs shard (default: 1024)")
     q.add_argument("--default-label", type=int, default=None,
                    help="the label stored for every sample of a source without labels")
+    q.add_argument("--workers", type=int, default=1,
+                   help="processes converting contiguous runs of shards (default: 1); the "
+                        "output is byte-identical for any count")
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
     q.set_defaults(func=_run_data, data_func=_cmd_data_convert)
     q = data_sub.add_parser("inspect", help="format, samples, fields, labels and sizes")

@@ -3,12 +3,15 @@
 from torchfn.data._audit import Auditor as Auditor
 from torchfn.data._audit import AuditReport as AuditReport
 from torchfn.data._audit import audit_plan as audit_plan
+from torchfn.data._convert import write_shards as write_shards
 from torchfn.data._episodic import EpisodicBatchSampler as EpisodicBatchSampler
 from torchfn.data._episodic import split_episode as split_episode
 from torchfn.data._fsio import RemoteNpy as RemoteNpy
 from torchfn.data._plan import Plan as Plan
 from torchfn.data._plan import global_order as global_order
 from torchfn.data._plan import plan as plan
+from torchfn.data._prefetch import DevicePrefetcher as DevicePrefetcher
+from torchfn.data._prefetch import prefetch_to_device as prefetch_to_device
 from torchfn.data._samplers import ClassBalancedSampler as ClassBalancedSampler
 from torchfn.data._shards import CorruptShardError as CorruptShardError
 from torchfn.data._shards import ShardReader as ShardReader
@@ -25,7 +28,6 @@ from torchfn.data._sources import TarError as TarError
 from torchfn.data._sources import TarSource as TarSource
 from torchfn.data._sources import collate_values as collate_values
 from torchfn.data._sources import decode_member as decode_member
-from torchfn.data._sources import write_shards as write_shards
 from torchfn.data._stream import StreamingDataset as StreamingDataset
 from torchfn.data._stream import StreamingLoader as StreamingLoader
 from torchfn.data._stream import state_from_stateful_loader as state_from_stateful_loader
@@ -46,6 +48,7 @@ __all__ = [
     "CorruptShardError",
     "DataInfo",
     "DataStats",
+    "DevicePrefetcher",
     "EpisodicBatchSampler",
     "HFDiskSource",
     "NumpySource",
@@ -71,6 +74,7 @@ __all__ = [
     "inspect_source",
     "open_source",
     "plan",
+    "prefetch_to_device",
     "read_manifest",
     "source_stats",
     "split_episode",

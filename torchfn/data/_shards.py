@@ -217,8 +217,7 @@ def _atomic_write(path: Path, chunks: Sequence[bytes]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
+            f.write(b"".join(chunks))  # one write call (a shard is one chunk per sample)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

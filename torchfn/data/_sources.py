@@ -27,15 +27,18 @@ import io
 import json
 import os
 import tarfile
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from ._alloc import empty_batch
 from ._fsio import RemoteNpy, expand, file_size, is_url, open_binary, read_range
 from ._shards import ShardReader, read_manifest
+from ._shmcache import SharedDecodeCache
 
 __all__ = [
     "HFDiskSource",
@@ -47,7 +50,6 @@ __all__ = [
     "TarSource",
     "collate_values",
     "decode_member",
-    "write_shards",
 ]
 
 
@@ -171,67 +173,6 @@ class ShardSource:
         return {**self.__dict__, "_readers": {}}
 
 
-def write_shards(
-    source: SampleSource,
-    root: str | os.PathLike[str],
-    *,
-    samples_per_shard: int,
-    batch_size: int = 256,
-    fields: Sequence[str] | None = None,
-    default_label: int | None = None,
-    progress: bool = False,
-    **writer_kwargs: Any,
-) -> Path:
-    """Returns ``root`` after writing every sample of ``source`` (in id order) as ``.tfs``
-    shards (``ShardWriter``: per-sample checksums, memory-mapped reads).
-
-    Sample ``i`` of the shards is sample ``i`` of the source, with its label. Fields must be
-    tensors or numbers (a field of strings or bytes is refused by ``ShardWriter``, naming it).
-    ``fields`` selects fields (default all). A source without labels needs ``default_label``
-    (the shards store one integer per sample).
-    ``writer_kwargs`` go to ``ShardWriter`` (``checksum``, ``ragged``). ``progress=True``
-    shows a progress bar on stderr when ``tqdm`` is installed (nothing otherwise). Writing is
-    one process, in id order.
-
-    Example:
-        >>> import tempfile, numpy as np
-        >>> src = NumpySource({"x": np.arange(6.0)}, labels=np.arange(6) % 2)
-        >>> root = write_shards(src, tempfile.mkdtemp(), samples_per_shard=4)
-        >>> ShardSource(root).read([5])["x"].tolist(), ShardSource(root).labels.tolist()
-        ([5.0], [0, 1, 0, 1, 0, 1])
-    """
-    from ._shards import ShardWriter
-
-    labels = source.labels
-    if labels is None and default_label is None:
-        raise ValueError(
-            f"write_shards: {source.describe()} has no labels and .tfs shards store one integer "
-            "label per sample; pass default_label=<int> to store that for every sample"
-        )
-    n = len(source)
-    bar = _progress_bar(n, f"write_shards -> {root}") if progress else None
-    with ShardWriter(root, samples_per_shard=samples_per_shard, **writer_kwargs) as w:
-        for a in range(0, n, batch_size):
-            ids = np.arange(a, min(a + batch_size, n), dtype=np.int64)
-            batch = source.read(ids)
-            if fields is not None:
-                missing = [f for f in fields if f not in batch]
-                if missing:
-                    raise ValueError(
-                        f"write_shards(fields=...): {source.describe()} has no fields {missing}; "
-                        f"it has {sorted(batch)}"
-                    )
-                batch = {f: batch[f] for f in fields}
-            for j, i in enumerate(ids.tolist()):
-                w.write({k: v[j] for k, v in batch.items()},
-                        label=int(labels[i]) if labels is not None else int(default_label))
-            if bar is not None:
-                bar.update(len(ids))
-    if bar is not None:
-        bar.close()
-    return Path(root)
-
-
 def _progress_bar(total: int, desc: str) -> Any:
     """A tqdm bar on stderr, or None when tqdm is not installed."""
     try:
@@ -336,12 +277,19 @@ class NumpySource:
                 f"[{ids.min()}, {ids.max()}]"
             )
         order = np.argsort(ids, kind="stable")  # rows in file order; put back after reading
-        inv = np.empty_like(order)
-        inv[order] = np.arange(len(order))
         out: dict[str, Any] = {}
         for name, a in self.arrays.items():
-            rows = np.asarray(a[ids[order]])[inv]
-            out[name] = rows.tolist() if a.dtype.kind in "US" else torch.from_numpy(rows)
+            rows = np.asarray(a[ids[order]])
+            if a.dtype.kind in "US":
+                back = np.empty_like(rows)
+                back[order] = rows
+                out[name] = back.tolist()
+                continue
+            # scattered back into plan order straight into the batch buffer (shared memory in
+            # a DataLoader worker: no further copy when it is handed over)
+            dst = empty_batch(rows.shape, rows.dtype)
+            dst[order] = rows
+            out[name] = torch.from_numpy(dst)
         return out
 
     def read_sample(self, i: int) -> dict[str, Any]:
@@ -398,7 +346,10 @@ def decode_member(ext: str, data: bytes) -> Any:
     """
     last = ext.rsplit(".", 1)[-1].lower()
     if last == "npy":
-        a = np.load(io.BytesIO(data), allow_pickle=False)
+        layout = _npy_layout(data)
+        if layout is not None:
+            return torch.from_numpy(_npy_payload(data, layout).copy())
+        a = np.load(io.BytesIO(data), allow_pickle=False)  # raises naming what is wrong
         return torch.from_numpy(a if a.flags.writeable else a.copy())
     if last in ("pt", "pth"):
         return torch.load(io.BytesIO(data), weights_only=True)
@@ -409,6 +360,64 @@ def decode_member(ext: str, data: bytes) -> Any:
     if last == "json":
         return json.loads(data)
     return data
+
+
+class _NpyLayout(NamedTuple):
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran: bool
+    offset: int  # payload start (the header's length)
+    nbytes: int  # payload length
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_LAYOUTS: dict[bytes, _NpyLayout] = {}  # header bytes -> layout, per process
+
+
+def _npy_layout(data: bytes) -> _NpyLayout | None:
+    """Returns the layout of a ``.npy`` file's bytes, parsing each distinct header once (tar
+    shards repeat one header for every sample); None when ``np.load`` must handle it (not a
+    ``.npy``, object dtype, a payload of the wrong size: it then raises its own error)."""
+    if data[:6] != _NPY_MAGIC or len(data) < 12:
+        return None
+    major = data[6]
+    if major == 1:
+        offset = 10 + int.from_bytes(data[8:10], "little")
+    elif major in (2, 3):
+        offset = 12 + int.from_bytes(data[8:12], "little")
+    else:
+        return None
+    header = bytes(data[:offset])
+    layout = _NPY_LAYOUTS.get(header)
+    if layout is None:
+        fh = io.BytesIO(header)
+        version = np.lib.format.read_magic(fh)
+        try:  # numpy's own header parser, once per distinct header
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+            else:
+                return None
+        except Exception:  # np.load then raises its own error for this member
+            return None
+        if dtype.hasobject or not dtype.isnative:  # np.load (and its errors) for those
+            return None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if len(_NPY_LAYOUTS) >= 4096:
+            _NPY_LAYOUTS.clear()
+        layout = _NPY_LAYOUTS[header] = _NpyLayout(dtype, tuple(shape), bool(fortran), offset,
+                                                   nbytes)
+    if len(data) - layout.offset != layout.nbytes:
+        return None
+    return layout
+
+
+def _npy_payload(data: bytes, layout: _NpyLayout) -> np.ndarray:
+    """Returns the (read-only) array view of a ``.npy`` payload with a known layout."""
+    count = layout.nbytes // layout.dtype.itemsize
+    a = np.frombuffer(data, layout.dtype, count=count, offset=layout.offset)
+    return a.reshape(layout.shape, order="F" if layout.fortran else "C")
 
 
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"),
@@ -422,6 +431,19 @@ def _read_at(path: str, offset: int, n: int) -> bytes:
     with open(path, "rb") as fh:
         fh.seek(offset)
         return fh.read(n)
+
+
+def _npy_batch(members: list[bytes]) -> torch.Tensor | None:
+    """Returns ``.npy`` members of one layout as a ``(b, *shape)`` tensor (each payload copied
+    once, into shared memory in a DataLoader worker), or None when their layouts differ."""
+    layouts = [_npy_layout(d) for d in members]
+    if not layouts or layouts[0] is None or any(lay != layouts[0] for lay in layouts):
+        return None
+    lay = layouts[0]
+    dst = empty_batch((len(members), *lay.shape), lay.dtype)
+    for j, d in enumerate(members):
+        dst[j] = _npy_payload(d, lay)
+    return torch.from_numpy(dst)
 
 
 class TarError(RuntimeError):
@@ -606,10 +628,65 @@ class TarSource:
 
     def read(self, ids: Any) -> dict[str, Any]:
         ids = _as_ids(ids)
-        samples: list[dict[str, Any]] = [{}] * len(ids)
-        for j in np.argsort(ids, kind="stable").tolist():  # file order, then put back
-            samples[j] = self.read_sample(int(ids[j]))
-        return {ext: collate_values([s[ext] for s in samples]) for ext in self.fields}
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self._samples)):
+            raise IndexError(f"TarSource.read: ids must lie in [0, {len(self)}), got "
+                             f"[{ids.min()}, {ids.max()}]")
+        order = np.argsort(ids, kind="stable").tolist()  # file order, then put back
+        out: dict[str, Any] = {}
+        rest = []
+        for ext in self.fields:
+            batch = None
+            if self.decode is decode_member and ext.rsplit(".", 1)[-1].lower() == "npy":
+                batch = self._npy_direct(ext, ids, order)
+            if batch is None:
+                rest.append(ext)
+            else:
+                out[ext] = batch
+        raw: dict[str, list[bytes]] = {ext: [b""] * len(ids) for ext in rest}
+        for j in order if rest else []:
+            f, _key, members = self._samples[int(ids[j])]
+            for ext in rest:
+                _name, off, n = members[ext]
+                raw[ext][j] = self._bytes(f, off, n)
+        for ext in rest:
+            batch = None
+            if self.decode is decode_member and ext.rsplit(".", 1)[-1].lower() == "npy":
+                batch = _npy_batch(raw[ext])
+            if batch is None:
+                batch = collate_values([self._decode_one(int(i), ext, d)
+                                        for i, d in zip(ids.tolist(), raw[ext], strict=True)])
+            out[ext] = batch
+        return {ext: out[ext] for ext in self.fields}
+
+    def _npy_direct(self, ext: str, ids: np.ndarray, order: list[int]) -> torch.Tensor | None:
+        """Returns the ``.npy`` members ``ext`` of ``ids`` as a ``(b, *shape)`` tensor, each
+        read with one ``preadv`` straight into the batch (the header into a scratch buffer and
+        compared with the first member's), or None (URLs, layouts that differ)."""
+        if not len(ids) or any(is_url(p) for p in self.files):
+            return None
+        f0, _key, members0 = self._samples[int(ids[order[0]])]
+        first = self._bytes(f0, members0[ext][1], members0[ext][2])
+        lay = _npy_layout(first)
+        if lay is None or lay.fortran:
+            return None
+        header = first[: lay.offset]
+        size = lay.offset + lay.nbytes
+        dst = empty_batch((len(ids), *lay.shape), lay.dtype)
+        flat = memoryview(dst.reshape(-1).view(np.uint8))
+        nb = lay.nbytes
+        scratch = bytearray(lay.offset)
+        for j in order:
+            f, _key, members = self._samples[int(ids[j])]
+            _name, off, n = members[ext]
+            if n != size:
+                return None
+            fd = self._fds.get(f)
+            if fd is None:
+                fd = self._fds[f] = os.open(self.files[f], os.O_RDONLY)
+            if os.preadv(fd, [scratch, flat[j * nb : (j + 1) * nb]], off) != size or (
+                    scratch != header):
+                return None
+        return torch.from_numpy(dst)
 
     def key(self, i: int) -> str:
         """Returns the webdataset key of sample ``i`` (e.g. ``"000123"``)."""
@@ -645,9 +722,10 @@ def _pyarrow(who: str) -> Any:
     return pa
 
 
-def _arrow_fixed_shape(col: Any, pa: Any) -> Any:
-    """Returns a ``(b, *shape)`` tensor in the column's own dtype when it is (nested) lists of
-    numbers of one shape without nulls, read from Arrow's flat value buffer; else None."""
+def _arrow_numpy(col: Any, pa: Any) -> np.ndarray | None:
+    """Returns a ``(n, *shape)`` numpy array in the column's own dtype when the column holds
+    numbers (or nested lists of numbers of one shape) without nulls, read from Arrow's flat
+    value buffer (zero-copy where Arrow allows: then read-only); else None."""
     if hasattr(col, "combine_chunks"):  # a ChunkedArray
         col = col.combine_chunks()
     n, shape, cur = len(col), [], col
@@ -662,9 +740,24 @@ def _arrow_fixed_shape(col: Any, pa: Any) -> Any:
         shape.append(lo)
         cur = cur.flatten()
     t = cur.type
-    if not shape or cur.null_count or not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+    if cur.null_count or not (pa.types.is_integer(t) or pa.types.is_floating(t)
+                              or pa.types.is_boolean(t)):
         return None
-    return torch.from_numpy(np.array(cur.to_numpy(zero_copy_only=False)).reshape(n, *shape))
+    if not shape and pa.types.is_boolean(t):
+        return np.asarray(cur.to_numpy(zero_copy_only=False), dtype=bool)
+    if pa.types.is_boolean(t):
+        return None  # lists of bools stay lists (as before)
+    return cur.to_numpy(zero_copy_only=False).reshape(n, *shape)
+
+
+def _arrow_fixed_shape(col: Any, pa: Any) -> Any:
+    """Returns a ``(b, *shape)`` tensor in the column's own dtype when it is (nested) lists of
+    numbers of one shape without nulls, read from Arrow's flat value buffer; else None."""
+    t = col.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+        return None
+    a = _arrow_numpy(col, pa)
+    return None if a is None else torch.from_numpy(np.array(a))
 
 
 def _arrow_column(col: Any, pa: Any) -> Any:
@@ -694,7 +787,8 @@ class _ArrowSource:
     _who = "ArrowSource"
 
     def _setup(self, pa: Any, schema: Any, unit_rows: list[int], columns: Sequence[str] | None,
-               label_column: str | None, labels_of: Callable[[], Any]) -> None:
+               label_column: str | None, labels_of: Callable[[], Any],
+               cache_units: int | None) -> None:
         names = list(schema.names)
         if label_column is not None and label_column not in names:
             raise ValueError(
@@ -720,7 +814,17 @@ class _ArrowSource:
                     f"nulls, got type {lab.type} with {lab.null_count} nulls"
                 )
             self.labels = np.asarray(lab.to_numpy(), dtype=np.int64)
-        self._cache: tuple[int, Any] | None = None
+        if cache_units is None:
+            # enough units for any two consecutive windows of the default shuffle buffer (twice
+            # the largest unit), plus one: a worker's batches then find every unit they touch
+            # cached, so each unit is read and decoded once per epoch per worker
+            window = 4 * max(unit_rows, default=1)
+            small = np.cumsum(sorted(unit_rows))
+            cache_units = int(np.searchsorted(small, window)) + 2
+        if not isinstance(cache_units, int) or cache_units < 1:
+            raise ValueError(f"{self._who}(cache_units={cache_units!r}): expected an int >= 1")
+        self.cache_units = cache_units
+        self._cache: OrderedDict[int, tuple[Any, dict[str, np.ndarray | None]]] = OrderedDict()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -728,44 +832,98 @@ class _ArrowSource:
     def _table(self, unit: int) -> Any:  # one unit's table with self.columns
         raise NotImplementedError
 
-    def _unit(self, unit: int) -> Any:
-        if self._cache is None or self._cache[0] != unit:
-            self._cache = (unit, self._table(unit))
-        return self._cache[1]
+    def _unit(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]]:
+        """The unit's table and its columns decoded to numpy (None: not numbers of one
+        shape), from an LRU cache of ``cache_units`` units."""
+        hit = self._cache.get(unit)
+        if hit is not None:
+            self._cache.move_to_end(unit)
+            return hit
+        hit = self._decode_unit(unit)
+        self._cache[unit] = hit
+        while len(self._cache) > self.cache_units:
+            self._evicted(self._cache.popitem(last=False)[0])
+        return hit
+
+    def _decode_unit(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]]:
+        pa = _pyarrow(self._who)
+        table = self._table(unit)
+        return table, {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
+
+    def _evicted(self, unit: int) -> None:
+        pass
 
     def read(self, ids: Any) -> dict[str, Any]:
-        pa = _pyarrow(self._who)
         ids = _as_ids(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"{self._who}.read: ids must lie in [0, {len(self)})")
+        if not ids.size:
+            return {c: collate_values([]) for c in self.columns}
         units = np.searchsorted(self._starts, ids, side="right") - 1
-        order = np.argsort(units, kind="stable")
-        parts = []
-        for u in np.unique(units).tolist():
-            rows = ids[units == u] - self._starts[u]
-            parts.append(self._unit(u).take(pa.array(rows)))
-        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-        inv = np.empty_like(order)
-        inv[order] = np.arange(len(order))
-        table = table.take(pa.array(inv))  # back to the order of ids
-        return {c: _arrow_column(table.column(c), pa) for c in self.columns}
+        uniq = np.unique(units).tolist()
+        decoded = {u: self._unit(u) for u in uniq}
+        out: dict[str, Any] = {}
+        slow = []
+        for c in self.columns:
+            arrays = [decoded[u][1][c] for u in uniq]
+            if any(a is None for a in arrays) or len(
+                {(a.shape[1:], a.dtype) for a in arrays}  # type: ignore[union-attr]
+            ) != 1:
+                slow.append(c)
+                continue
+            a0 = arrays[0]
+            dst = empty_batch((len(ids), *a0.shape[1:]), a0.dtype)  # type: ignore[union-attr]
+            if len(uniq) == 1:
+                np.take(a0, ids - self._starts[uniq[0]], axis=0, out=dst)
+            else:
+                for u, a in zip(uniq, arrays, strict=True):
+                    rows = np.flatnonzero(units == u)
+                    dst[rows] = a[ids[rows] - self._starts[u]]  # type: ignore[index]
+            out[c] = torch.from_numpy(dst)
+        if slow:  # strings, ragged lists, nulls, shapes that differ between units
+            pa = _pyarrow(self._who)
+            order = np.argsort(units, kind="stable")
+            parts = [(decoded[u][0] if decoded[u][0] is not None else self._table(u)).select(
+                slow).take(pa.array(ids[units == u] - self._starts[u])) for u in uniq]
+            table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+            inv = np.empty_like(order)
+            inv[order] = np.arange(len(order))
+            table = table.take(pa.array(inv))  # back to the order of ids
+            out.update({c: _arrow_column(table.column(c), pa) for c in slow})
+        return {c: out[c] for c in self.columns}
 
     def read_sample(self, i: int) -> dict[str, Any]:
         return {k: v[0] for k, v in self.read([i]).items()}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": None}
+        return {**self.__dict__, "_cache": OrderedDict()}
 
 
 def _parquet_file(pa: Any, path: str) -> Any:
     # a URL is read through an fsspec file object (pyarrow reads the footer and the row
     # groups it needs as byte ranges)
-    return pa.parquet.ParquetFile(open_binary(path) if is_url(path) else path)
+    # a local file is memory-mapped (no read copy of each row group's pages)
+    if is_url(path):
+        return pa.parquet.ParquetFile(open_binary(path))
+    return pa.parquet.ParquetFile(path, memory_map=True)
 
 
 class ParquetSource(_ArrowSource):
     """Returns a ``SampleSource`` over Parquet files (needs ``pyarrow``); row groups are the
-    locality units (``shard_sizes``), read whole and cached one at a time.
+    locality units (``shard_sizes``), each read whole and decoded once into numpy arrays in the
+    columns' own dtypes, kept in an LRU cache of ``cache_units`` row groups per process.
+
+    The default ``cache_units`` covers two windows of ``StreamingDataset``'s default
+    ``shuffle_buffer`` (twice the largest row group), so each row group is read once per epoch
+    per worker; with a larger ``shuffle_buffer`` pass ``cache_units >= 2 * shuffle_buffer /
+    rows per group + 2`` (memory: that many decoded row groups per worker).
+
+    ``shared_cache=True`` (default; Linux/macOS): DataLoader workers share decoded row groups
+    through ``.npy`` files in ``/dev/shm`` (``_shmcache.py``): the first worker that needs a
+    row group decodes it under a file lock, the others map it, so each row group is decoded
+    about once per epoch in all instead of once per worker. The directory is removed when the
+    process that created the source drops it or exits (a killed process leaves
+    ``/dev/shm/torchfn-parquet-*``). ``shared_cache=False``: each process decodes for itself.
 
     ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list (local paths or
     fsspec URLs, e.g. ``memory://``, ``s3://``; URLs need ``fsspec``). ``columns``: the
@@ -783,7 +941,8 @@ class ParquetSource(_ArrowSource):
     _who = "ParquetSource"
 
     def __init__(self, paths: Any, *, columns: Sequence[str] | None = None,
-                 label_column: str | None = None) -> None:
+                 label_column: str | None = None, cache_units: int | None = None,
+                 shared_cache: bool = True) -> None:
         pa = _pyarrow(self._who)
         self.files = _expand(paths, ".parquet", self._who)
         self._units: list[tuple[int, int]] = []
@@ -809,13 +968,40 @@ class ParquetSource(_ArrowSource):
             return pa.chunked_array([c for col in cols for c in col.chunks],
                                     type=schema.field(label_column).type)
 
-        self._setup(pa, schema, rows, columns, label_column, labels_of)
+        self._setup(pa, schema, rows, columns, label_column, labels_of, cache_units)
         self._fp = _digest(meta, str(schema))
+        self._shared = SharedDecodeCache(self, "parquet") if shared_cache else None
+
+    def _decode_unit(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]]:
+        if self._shared is None:
+            return super()._decode_unit(unit)
+        pa = _pyarrow(self._who)
+        def decode() -> dict[str, np.ndarray | None]:
+            table = self._table(unit)
+            return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
+
+        arrays = self._shared.get(unit, self.columns, decode)
+        return None, arrays  # the table is read again only for columns not shared (strings)
+
+    def _evicted(self, unit: int) -> None:
+        if self._shared is not None:
+            self._shared.evict(unit, self.columns)
 
     def _table(self, unit: int) -> Any:
         pa = _pyarrow(self._who)
         f, g = self._units[unit]
-        return _parquet_file(pa, self.files[f]).read_row_group(g, columns=self.columns)
+        pfiles = self.__dict__.setdefault("_pfiles", OrderedDict())
+        pf = pfiles.get(f)
+        if pf is None:  # footers parsed once per file per process (a few files kept open)
+            pf = pfiles[f] = _parquet_file(pa, self.files[f])
+            while len(pfiles) > self.cache_units:
+                pfiles.popitem(last=False)
+        pfiles.move_to_end(f)
+        # one thread: a DataLoader's workers already keep the cores busy
+        return pf.read_row_group(g, columns=self.columns, use_threads=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_pfiles": OrderedDict()}
 
     def fingerprint(self) -> str:
         return self._fp
@@ -830,6 +1016,8 @@ class HFDiskSource(_ArrowSource):
 
     ``path``: the directory holding ``state.json`` (for a ``DatasetDict``, the split's
     directory, e.g. ``path/train``). ``label_column`` defaults to ``"label"`` when present.
+    Numeric columns are read as zero-copy numpy views of the memory-mapped Arrow buffers; the
+    views of the last ``cache_units`` files are kept (``ParquetSource`` says how many).
 
     Example (the layout ``save_to_disk`` writes: ``state.json`` naming Arrow stream files)::
 
@@ -849,7 +1037,7 @@ class HFDiskSource(_ArrowSource):
     _who = "HFDiskSource"
 
     def __init__(self, path: str | os.PathLike[str], *, columns: Sequence[str] | None = None,
-                 label_column: str | None = "label") -> None:
+                 label_column: str | None = "label", cache_units: int | None = None) -> None:
         pa = _pyarrow(self._who)
         root = Path(path)
         if (root / "dataset_dict.json").exists():
@@ -876,6 +1064,7 @@ class HFDiskSource(_ArrowSource):
                 [c for t in self._tables for c in t.column(label_column).chunks],
                 type=schema.field(label_column).type,
             ),
+            cache_units,
         )
         self._fp = _digest(state.get("_fingerprint"), [d["filename"] for d in state["_data_files"]],
                            self.shard_sizes)
@@ -899,4 +1088,4 @@ class HFDiskSource(_ArrowSource):
         return f"HFDiskSource({len(self)} rows in {len(self.files)} Arrow files)"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": None, "_tables": [None] * len(self.files)}
+        return {**self.__dict__, "_cache": OrderedDict(), "_tables": [None] * len(self.files)}

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from torchfn._checks import _check_rank
 
+from ._alloc import alloc_bytes as _alloc_bytes
 from ._plan import Policy, plan
 from ._shards import (
     _DTYPES,
@@ -40,16 +41,6 @@ def _dist_layout() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
     return 1, 0
-
-
-def _alloc_bytes(nbytes: int, shared: bool) -> torch.Tensor:
-    """Returns an uninitialized ``(nbytes,)`` uint8 tensor, in shared memory when ``shared``."""
-    if not shared:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    # Allocated straight in shared memory, as default_collate does, so handing the batch to the
-    # main process costs no extra copy (no public API for this).
-    proto = torch.empty(0, dtype=torch.uint8)
-    return proto.new(proto._typed_storage()._new_shared(nbytes, device=proto.device))
 
 
 class StreamingDataset(IterableDataset):
