@@ -35,7 +35,8 @@ Each process: ``torch.cuda.set_device(rank)``, CPU threads ``max(1, cores // W)`
 OFF (``_bench.set_tf32_off``: fp32 matmul and cuDNN). Timing (``_bench.time_calls``, wall
 clock): 2 warm-up calls (the first, with compilation, reported as ``first_call_s``), one call
 to size the sample so a repeat lasts about ``--budget-s / 4`` (the same count on every rank),
-then the median of 3 repeats after a barrier; the slowest rank's time counts.
+3 more warm-up calls, then the median of 5 repeats after a barrier; the slowest rank's time
+counts, and ``spread`` ((max - min) / median of the repeats) flags unsteady rows.
 
 Then, at every ``W > 1``, each distributed step is checked in float64 against the
 single-process step over the same global batch (rank 0 of the same job), the data-parallel
@@ -288,10 +289,12 @@ def _measure(fn: Callable[[Any], Any], state: Any, device: torch.device, distrib
     probe = time_calls(call, device, warmup=2, repeats=1, inner=1)
     one = slowest(probe.median_s)
     inner = max(1, min(100, math.ceil(budget_s / 4 / max(one, 1e-6))))
-    t = time_calls(call, device, warmup=1, repeats=3, inner=inner,
+    t = time_calls(call, device, warmup=3, repeats=5, inner=inner,
                    before_repeats=dist.barrier if distributed else None)
     return {"step_ms": 1e3 * slowest(t.median_s), "first_call_s": slowest(probe.first_call_s),
-            "steps_per_repeat": inner}
+            "steps_per_repeat": inner,
+            # (max - min) / median of the repeats: a large spread flags an unsteady row
+            "spread": slowest((max(t.times_s) - min(t.times_s)) / t.median_s)}
 
 
 def _free(device: torch.device) -> None:
@@ -324,7 +327,8 @@ def _bench(rows: list[tuple[str, str]], world: int, rank: int, device: torch.dev
         _free(device)
         out[name] = rec
         if rank == 0:
-            what = (f"{rec['step_ms']:.2f} ms/step, {rec['throughput']:.1f} {rec['unit']}, "
+            what = (f"{rec['step_ms']:.2f} ms/step (spread {rec['spread']:.2f}), "
+                    f"{rec['throughput']:.1f} {rec['unit']}, "
                     f"first call {rec['first_call_s']:.1f}s" if "error" not in rec
                     else rec["error"])
             print(f"  [W={world}] {name}: {what} ({time.perf_counter() - t0:.0f}s)", flush=True)
