@@ -8,6 +8,8 @@ With ``--trace-dir`` each profile's Chrome trace is written there.
 
     python benchmarks/dp_models_profile.py --workload gpt2 --precision fp32
     python benchmarks/dp_models_profile.py --workload vit --variants dpsgd-eager --top 40
+    python benchmarks/dp_models_profile.py --workload vit --precision bf16 \
+        --variants nonprivate-compiled,dpsgd-compiled --inductor shape_padding=False --top 40
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from _bench import set_tf32_off
 from dp_models import (  # the benchmark's own models, batches and variants
     VARIANTS,
     WORKLOADS,
+    _set_inductor,
     build_model,
     configs,
     loss_kind,
@@ -48,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=25, help="kernel rows per table")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--trace-dir", type=Path, default=None, help="write Chrome traces here")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config.KEY for the compiled variants "
+                         "(as dp_models.py --inductor)")
     args = ap.parse_args(argv)
+    _set_inductor(args.inductor)
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
