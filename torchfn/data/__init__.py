@@ -1,5 +1,7 @@
 """Data: shard format, streaming IterableDatasets and samplers that are exact, balanced and resumable."""
 
+from torchfn.data._arrow import HFDiskSource as HFDiskSource
+from torchfn.data._arrow import ParquetSource as ParquetSource
 from torchfn.data._audit import Auditor as Auditor
 from torchfn.data._audit import AuditReport as AuditReport
 from torchfn.data._audit import audit_plan as audit_plan
@@ -19,20 +21,18 @@ from torchfn.data._shards import ShardWriter as ShardWriter
 from torchfn.data._shards import VerifyReport as VerifyReport
 from torchfn.data._shards import read_manifest as read_manifest
 from torchfn.data._shards import verify_shards as verify_shards
-from torchfn.data._sources import HFDiskSource as HFDiskSource
 from torchfn.data._sources import NumpySource as NumpySource
-from torchfn.data._sources import ParquetSource as ParquetSource
 from torchfn.data._sources import SampleSource as SampleSource
 from torchfn.data._sources import ShardSource as ShardSource
-from torchfn.data._sources import TarError as TarError
-from torchfn.data._sources import TarSource as TarSource
 from torchfn.data._sources import collate_values as collate_values
-from torchfn.data._sources import decode_member as decode_member
 from torchfn.data._stream import StreamingDataset as StreamingDataset
 from torchfn.data._stream import StreamingLoader as StreamingLoader
 from torchfn.data._stream import state_from_stateful_loader as state_from_stateful_loader
 from torchfn.data._stream_balance import StreamBalanceReport as StreamBalanceReport
 from torchfn.data._stream_balance import StreamClassBalancer as StreamClassBalancer
+from torchfn.data._tar import TarError as TarError
+from torchfn.data._tar import TarSource as TarSource
+from torchfn.data._tar import decode_member as decode_member
 from torchfn.data._tools import DataInfo as DataInfo
 from torchfn.data._tools import DataStats as DataStats
 from torchfn.data._tools import detect_format as detect_format

@@ -12,18 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._arrow import HFDiskSource, ParquetSource
 from ._fsio import expand, file_size, is_url, url_fs
 from ._shards import VerifyReport, verify_shards
-from ._sources import (
-    HFDiskSource,
-    NumpySource,
-    ParquetSource,
-    SampleSource,
-    ShardSource,
-    TarError,
-    TarSource,
-    _progress_bar,
-)
+from ._sources import NumpySource, SampleSource, ShardSource, _progress_bar
+from ._tar import TarError, TarSource
 
 __all__ = ["DataInfo", "DataStats", "detect_format", "inspect_source", "open_source",
            "source_stats", "verify_source"]
