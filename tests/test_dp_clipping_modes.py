@@ -4,7 +4,8 @@ Automatic clipping (Bu et al. 2022) equals a float64 loop of torch.autograd.grad
 coefficients ``C / (||g_i|| + gamma)`` (flat and per layer), noise included. Adaptive quantile
 clipping (Andrew et al. 2021): the threshold update equals the formula on a known stream of
 norms, the threshold tracks the target quantile of a norm distribution, the raised gradient
-noise multiplier is the paper's, compiled == eager with no recompile as ``C_t`` moves, several
+noise multiplier is the paper's, ``normalize_update`` divides the noisy mean by ``C_t`` (the
+update is the same at any threshold), compiled == eager with no recompile as ``C_t`` moves, several
 physical batches == one, an old DPState checkpoint (no ``clip_norm``) still loads, and bad
 settings fail with clear errors.
 """
@@ -178,7 +179,7 @@ def test_normalized_update_does_not_scale_with_the_threshold(secure: bool) -> No
     step = make_dp_train_step(ghost, sum_loss, opt, **kw, adaptive_clipping=AdaptiveClipping(
         count_noise_multiplier=0.8, normalize_update=True))
     plain = make_dp_train_step(ghost, sum_loss, opt, **kw, adaptive_clipping=AdaptiveClipping(
-        count_noise_multiplier=0.8))
+        count_noise_multiplier=0.8, normalize_update=False))
     state = (init_dp_state(params, buffers, opt, secure_noise=True, max_grad_norm=1.0)
              if secure else init_dp_state(params, buffers, opt, seed=4, max_grad_norm=1.0))
     g = torch.Generator().manual_seed(1)
@@ -273,7 +274,8 @@ def test_raised_noise_multiplier_and_noise_std_at_the_current_threshold() -> Non
     opt = torchopt.sgd(1.0)
     step = make_dp_train_step(ghost, xent, opt, noise_multiplier=1.3, max_grad_norm=1.0,
                               sample_rate=0.01, dataset_size=500,
-                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=0.8))
+                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=0.8,
+                                                                 normalize_update=False))
     sg = adaptive_grad_noise_multiplier(1.3, 0.8)
     assert step.noise_std == pytest.approx(sg * 1.0)
     state = init_dp_state(params, buffers, opt, seed=4, max_grad_norm=1.0)
@@ -433,6 +435,7 @@ def test_bad_settings_fail_clearly() -> None:
         AdaptiveClipping(learning_rate=-0.1)
     with pytest.raises(ValueError, match=r"count_noise_multiplier=...\): expected None or a "):
         AdaptiveClipping(count_noise_multiplier=float("nan"))
+    assert AdaptiveClipping().normalize_update  # the default (docs/dp_clipping.md)
     with pytest.raises(TypeError, match=r"AdaptiveClipping\(normalize_update=...\): expected "
                                         r"True or False, got 1"):
         AdaptiveClipping(normalize_update=1)

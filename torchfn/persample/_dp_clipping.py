@@ -61,7 +61,10 @@ class AdaptiveClipping:
     automatic clipping) and a rising ``C_t`` cannot enlarge the update and its noise. Without
     it (``False``) the update scales with ``C_t`` at a fixed learning rate, which can feed back
     on itself under heavy noise (noisier steps, larger norms, larger ``C_t``). Dividing the
-    released sum by ``C_t`` is post-processing: the privacy cost is unchanged.
+    released sum by ``C_t`` is post-processing (``C_t`` is a function of the counts already
+    released): the privacy cost is unchanged. The learning rate then sets the step of a
+    unit-norm mean, as with a fixed threshold ``C = 1``. ``docs/dp_clipping.md`` has the
+    comparison behind the default ``True``.
 
     Example:
         >>> AdaptiveClipping(target_quantile=0.7).learning_rate
@@ -71,7 +74,7 @@ class AdaptiveClipping:
     target_quantile: float = 0.5
     learning_rate: float = 0.2
     count_noise_multiplier: float | None = None
-    normalize_update: bool = False
+    normalize_update: bool = True
 
     def __post_init__(self) -> None:
         where = "AdaptiveClipping"
