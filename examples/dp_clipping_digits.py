@@ -9,9 +9,13 @@ steps stays within the target) with four ways to clip:
 - ``adaptive``: quantile clipping (Andrew et al. 2021) started at the bad ``C_0 = 0.1``;
   ``C_t`` tracks the median (or the 10% quantile) of the per-sample norms through a noisy
   count, and the gradient noise multiplier is raised so that the accountant's epsilon is
-  unchanged. The update grows with ``C_t`` at a fixed learning rate: under heavy noise
-  (epsilon 1 here) the median feeds back on itself -- noisier steps, larger norms, larger
-  ``C_t`` -- and training diverges, while a low quantile holds; see ``docs/dp_clipping.md``;
+  unchanged. With ``normalize_update=False`` the update grows with ``C_t`` at a fixed
+  learning rate: under heavy noise (epsilon 1 here) the median feeds back on itself --
+  noisier steps, larger norms, larger ``C_t`` -- and training diverges, while a low quantile
+  holds. ``adaptive normalised`` (``normalize_update=True``, the default) divides the noisy
+  mean by ``C_t``, which removes the loop; the ``sigma_b=qN/5`` row spends less of the
+  budget on the count (4x the default count noise, so the gradient noise is raised by less);
+  see ``docs/dp_clipping.md``;
 - ``automatic``: every per-sample gradient normalised to ``C / (||g|| + 0.01)`` (Bu et al.
   2022), ``C = 1``.
 
@@ -52,6 +56,8 @@ parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "torchf
 parser.add_argument("--epsilon", type=float, default=3.0)
 parser.add_argument("--epochs", type=int, default=15)
 parser.add_argument("--seeds", type=int, default=2, help="runs per setting (mean is reported)")
+parser.add_argument("--only", default="",
+                    help="setting names to run, separated by | (default: all)")
 parser.add_argument("--smoke", action="store_true",
                     help="2 epochs on generated stand-in data (for the tests)")
 args = parser.parse_args()
@@ -108,8 +114,14 @@ def accuracy(ghost, params, buffers) -> float:
 SETTINGS = {  # name: (max_grad_norm or C_0, make_dp_train_step keyword arguments)
     "fixed C=1": (1.0, {}),
     "fixed C=0.1": (0.1, {}),
-    "adaptive (C_0=0.1, median)": (0.1, {"adaptive_clipping": AdaptiveClipping(0.5, 0.2)}),
-    "adaptive (C_0=0.1, q=0.1)": (0.1, {"adaptive_clipping": AdaptiveClipping(0.1, 0.2)}),
+    "adaptive (C_0=0.1, median)": (
+        0.1, {"adaptive_clipping": AdaptiveClipping(0.5, 0.2, normalize_update=False)}),
+    "adaptive (C_0=0.1, q=0.1)": (
+        0.1, {"adaptive_clipping": AdaptiveClipping(0.1, 0.2, normalize_update=False)}),
+    "adaptive normalised (C_0=0.1, median)": (
+        0.1, {"adaptive_clipping": AdaptiveClipping(0.5, 0.2, normalize_update=True)}),
+    "adaptive normalised (C_0=0.1, median, sigma_b=qN/5)": (
+        0.1, {"adaptive_clipping": AdaptiveClipping(0.5, 0.2, batch / 5, normalize_update=True)}),
     "automatic C=1": (1.0, {"clipping": "automatic"}),
 }
 
@@ -138,7 +150,11 @@ print(f"digits{' (smoke: generated stand-in data)' if args.smoke else ''}: {N} t
       f"{total_steps} steps, target epsilon {args.epsilon:g} (delta {DELTA}): sigma = "
       f"{sigma:.3f}, {args.seeds} seed(s)")
 rows = []
-for name in SETTINGS:
+only = [n.strip() for n in args.only.split("|") if n.strip()]
+unknown = [n for n in only if n not in SETTINGS]
+if unknown:
+    raise SystemExit(f"--only: unknown settings {unknown}; choose from {list(SETTINGS)}")
+for name in only or SETTINGS:
     t0 = time.time()
     runs = [train(sigma, name, seed) for seed in range(args.seeds)]
     accs = [r["accuracy"] for r in runs]
@@ -149,11 +165,11 @@ for name in SETTINGS:
                  "final_clip_norm": sum(finals) / len(finals) if finals else None,
                  "seconds": time.time() - t0})
 
-print(f"\n{'setting':<28}{'sigma_grad':>11}{'eps spent':>11}{'test acc':>10}{'min':>8}"
+print(f"\n{'setting':<52}{'sigma_grad':>11}{'eps spent':>11}{'test acc':>10}{'min':>8}"
       f"{'max':>8}{'final C':>9}{'time s':>8}")
 for r in rows:
     final = "" if r["final_clip_norm"] is None else f"{r['final_clip_norm']:.3f}"
-    print(f"{r['setting']:<28}{r['grad_noise_multiplier']:>11.3f}{r['epsilon']:>11.3f}"
+    print(f"{r['setting']:<52}{r['grad_noise_multiplier']:>11.3f}{r['epsilon']:>11.3f}"
           f"{r['test_accuracy']:>10.3f}{r['min']:>8.3f}{r['max']:>8.3f}{final:>9}"
           f"{r['seconds']:>8.1f}")
 path = os.path.join(args.out, "dp_clipping_digits.json")

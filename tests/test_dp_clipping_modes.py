@@ -4,7 +4,8 @@ Automatic clipping (Bu et al. 2022) equals a float64 loop of torch.autograd.grad
 coefficients ``C / (||g_i|| + gamma)`` (flat and per layer), noise included. Adaptive quantile
 clipping (Andrew et al. 2021): the threshold update equals the formula on a known stream of
 norms, the threshold tracks the target quantile of a norm distribution, the raised gradient
-noise multiplier is the paper's, compiled == eager with no recompile as ``C_t`` moves, several
+noise multiplier is the paper's, ``normalize_update`` divides the noisy mean by ``C_t`` (the
+update is the same at any threshold), compiled == eager with no recompile as ``C_t`` moves, several
 physical batches == one, an old DPState checkpoint (no ``clip_norm``) still loads, and bad
 settings fail with clear errors.
 """
@@ -122,13 +123,15 @@ def linear_loss(out: Tensor, y: Tensor) -> Tensor:
     return out[:, 0] * y
 
 
-def test_adaptive_threshold_and_noise_follow_the_formulas_by_hand() -> None:
+@pytest.mark.parametrize("normalize", [False, True])
+def test_adaptive_threshold_and_noise_follow_the_formulas_by_hand(normalize: bool) -> None:
     ghost, params, buffers = norm_model()
     lr, sigma, sb, eta, tq, c0, qn = 0.05, 1.2, 2.5, 0.3, 0.6, 0.8, 8.0
     opt = torchopt.sgd(lr)
     step = make_dp_train_step(ghost, linear_loss, opt, noise_multiplier=sigma,
                               max_grad_norm=c0, sample_rate=0.1, dataset_size=80,
-                              adaptive_clipping=AdaptiveClipping(tq, eta, sb))
+                              adaptive_clipping=AdaptiveClipping(tq, eta, sb,
+                                                                 normalize_update=normalize))
     sigma_grad = (sigma**-2 - (2 * sb) ** -2) ** -0.5
     assert step.grad_noise_multiplier == pytest.approx(sigma_grad, rel=1e-15)
     state = init_dp_state(params, buffers, opt, seed=9, max_grad_norm=c0)
@@ -146,7 +149,9 @@ def test_adaptive_threshold_and_noise_follow_the_formulas_by_hand() -> None:
         v = valid.to(F64)
         coef = v * torch.clamp(c / (norms + 1e-6), max=1.0)
         z_grad = float(normal(key, (1,), F64)[0])
-        w = w - lr * (float((coef * xs[:, 0]).sum()) + sigma_grad * c * z_grad) / qn
+        # normalize_update: the noisy clipped sum is divided by q N C_t instead of q N
+        divisor = qn * c if normalize else qn
+        w = w - lr * (float((coef * xs[:, 0]).sum()) + sigma_grad * c * z_grad) / divisor
         z_count = float(normal(fold_in(key, _COUNT_SALT), (1,), F64)[0])
         below = float((v * (norms <= c).to(F64)).sum())
         b = (below - 0.5 * float(v.sum()) + sb * z_count) / qn + 0.5
@@ -156,6 +161,54 @@ def test_adaptive_threshold_and_noise_follow_the_formulas_by_hand() -> None:
         assert float(state.clip_norm) == pytest.approx(c, rel=1e-13), t
         assert float(state.params["weight"]) == pytest.approx(w, rel=1e-12), t
     assert c != pytest.approx(c0, rel=0.01)  # the threshold did move
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_normalized_update_does_not_scale_with_the_threshold(secure: bool) -> None:
+    # every norm is above both thresholds, so each clipped gradient is C_t g / ||g|| and the
+    # noise sigma_grad C_t z: divided by q N C_t, the update is the same at C_t = 0.3 and 3
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(nn.Linear(6, 4).to(F64))
+    lr, qn = 0.1, 5.0
+    opt = torchopt.sgd(lr)
+    kw = {"noise_multiplier": 1.3, "max_grad_norm": 1.0, "sample_rate": 0.01,
+          "dataset_size": 500, "secure_noise": secure}
+    def sum_loss(o: Tensor, y: Tensor) -> Tensor:  # gradient norms about 2 * 50 * ||x / 50||
+        return o.sum(1)
+
+    step = make_dp_train_step(ghost, sum_loss, opt, **kw, adaptive_clipping=AdaptiveClipping(
+        count_noise_multiplier=0.8, normalize_update=True))
+    plain = make_dp_train_step(ghost, sum_loss, opt, **kw, adaptive_clipping=AdaptiveClipping(
+        count_noise_multiplier=0.8, normalize_update=False))
+    state = (init_dp_state(params, buffers, opt, secure_noise=True, max_grad_norm=1.0)
+             if secure else init_dp_state(params, buffers, opt, seed=4, max_grad_norm=1.0))
+    g = torch.Generator().manual_seed(1)
+    x, y = 50.0 * torch.randn(8, 6, dtype=F64, generator=g), torch.randint(0, 4, (8,), generator=g)
+    valid = torch.ones(8, dtype=torch.bool)
+    sg = step.grad_noise_multiplier
+    deltas = {}
+    for c in (0.3, 3.0):
+        s = state._replace(clip_norm=torch.tensor(c, dtype=F64))
+        new, m = step(s, (x, y), valid)
+        assert float(m["clip_fraction"]) == 1.0  # all clipped at both thresholds
+        deltas[c] = {k: state.params[k] - new.params[k] for k in params}
+        plain_new, _ = plain(s, (x, y), valid)
+        for k in params:  # without normalize_update the update is C_t times larger
+            torch.testing.assert_close(state.params[k] - plain_new.params[k], c * deltas[c][k],
+                                       rtol=1e-9, atol=1e-12)
+    for k in params:
+        torch.testing.assert_close(deltas[0.3][k], deltas[3.0][k], rtol=1e-9, atol=1e-12)
+    # and its noise alone (an empty batch) has std lr sigma_grad / (q N) at C_t = 3
+    z0 = torch.zeros((), dtype=F64)
+    bghost, bp, bb = make_ghost_model(nn.Linear(100, 50).to(F64))
+    big = make_dp_train_step(bghost, xent, opt, **kw, adaptive_clipping=AdaptiveClipping(
+        count_noise_multiplier=0.8, normalize_update=True))
+    bstate = (init_dp_state(bp, bb, opt, secure_noise=True, max_grad_norm=3.0) if secure
+              else init_dp_state(bp, bb, opt, seed=4, max_grad_norm=3.0))
+    new, _ = big.apply(bstate, ClippedSum({k: torch.zeros_like(v) for k, v in bp.items()},
+                                          z0, z0, z0, z0))
+    delta = torch.cat([(bstate.params[k] - new.params[k]).flatten() for k in bp])
+    assert float(delta.std()) == pytest.approx(lr * sg / qn, rel=0.04)
 
 
 def test_a_skipped_step_keeps_its_threshold() -> None:
@@ -176,15 +229,16 @@ def test_a_skipped_step_keeps_its_threshold() -> None:
     assert not bool(metrics["skipped"]) and float(new.clip_norm) > 0.5
 
 
-@pytest.mark.parametrize("target", [0.5, 0.9])
-def test_adaptive_threshold_tracks_the_target_quantile(target: float) -> None:
+@pytest.mark.parametrize(("target", "normalize"), [(0.5, False), (0.9, False), (0.5, True)])
+def test_adaptive_threshold_tracks_the_target_quantile(target: float, normalize: bool) -> None:
     # per-sample norms |x| with x ~ LogNormal(0, 0.5): the p-quantile is exp(0.5 * z_p)
     ghost, params, buffers = norm_model()
     opt = torchopt.sgd(0.0)
     qn = 64
     step = make_dp_train_step(ghost, linear_loss, opt, noise_multiplier=1.0,
                               max_grad_norm=0.05, sample_rate=0.1, dataset_size=10 * qn,
-                              adaptive_clipping=AdaptiveClipping(target_quantile=target))
+                              adaptive_clipping=AdaptiveClipping(target_quantile=target,
+                                                                 normalize_update=normalize))
     assert step.adaptive_clipping.count_noise_multiplier == pytest.approx(qn / 20)
     state = init_dp_state(params, buffers, opt, seed=1, max_grad_norm=0.05)
     gen = torch.Generator().manual_seed(int(100 * target))
@@ -220,7 +274,8 @@ def test_raised_noise_multiplier_and_noise_std_at_the_current_threshold() -> Non
     opt = torchopt.sgd(1.0)
     step = make_dp_train_step(ghost, xent, opt, noise_multiplier=1.3, max_grad_norm=1.0,
                               sample_rate=0.01, dataset_size=500,
-                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=0.8))
+                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=0.8,
+                                                                 normalize_update=False))
     sg = adaptive_grad_noise_multiplier(1.3, 0.8)
     assert step.noise_std == pytest.approx(sg * 1.0)
     state = init_dp_state(params, buffers, opt, seed=4, max_grad_norm=1.0)
@@ -239,14 +294,16 @@ def test_raised_noise_multiplier_and_noise_std_at_the_current_threshold() -> Non
     assert acct.history == ((1.3, 0.01, 1),)
 
 
-def test_adaptive_compiled_equals_eager_without_recompiles() -> None:
+@pytest.mark.parametrize("normalize", [False, True])
+def test_adaptive_compiled_equals_eager_without_recompiles(normalize: bool) -> None:
     torch.manual_seed(0)
     ghost, params, buffers = make_ghost_model(nn.Linear(5, 3).to(F64))
     opt = torchopt.sgd(0.1, momentum=0.9)
     step = make_dp_train_step(ghost, xent, opt, noise_multiplier=1.0, max_grad_norm=0.05,
                               sample_rate=0.2, dataset_size=50,
                               adaptive_clipping=AdaptiveClipping(learning_rate=0.5,
-                                                                count_noise_multiplier=2.0))
+                                                                count_noise_multiplier=2.0,
+                                                                normalize_update=normalize))
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     eager_state = compiled_state = init_dp_state(params, buffers, opt, seed=5, max_grad_norm=0.05)
@@ -320,12 +377,14 @@ def test_dp_state_saved_before_clip_norm_still_loads(tmp_path) -> None:
     assert float(load_checkpoint(path)[1]["dp"].clip_norm) == 0.4
 
 
-def test_adaptive_resume_from_a_checkpoint_is_exact(tmp_path) -> None:
+@pytest.mark.parametrize("normalize", [False, True])
+def test_adaptive_resume_from_a_checkpoint_is_exact(tmp_path, normalize: bool) -> None:
     ghost, params, buffers = norm_model()
     opt = torchopt.sgd(0.1)
     step = make_dp_train_step(ghost, linear_loss, opt, noise_multiplier=1.0, max_grad_norm=0.3,
                               sample_rate=0.1, dataset_size=80,
-                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=1.0))
+                              adaptive_clipping=AdaptiveClipping(count_noise_multiplier=1.0,
+                                                                 normalize_update=normalize))
     gen = torch.Generator().manual_seed(3)
     batches = [torch.rand(8, 1, dtype=F64, generator=gen) for _ in range(4)]
     ones, valid = torch.ones(8, dtype=F64), torch.ones(8, dtype=torch.bool)
@@ -376,6 +435,10 @@ def test_bad_settings_fail_clearly() -> None:
         AdaptiveClipping(learning_rate=-0.1)
     with pytest.raises(ValueError, match=r"count_noise_multiplier=...\): expected None or a "):
         AdaptiveClipping(count_noise_multiplier=float("nan"))
+    assert AdaptiveClipping().normalize_update  # the default (docs/dp_clipping.md)
+    with pytest.raises(TypeError, match=r"AdaptiveClipping\(normalize_update=...\): expected "
+                                        r"True or False, got 1"):
+        AdaptiveClipping(normalize_update=1)
     with pytest.raises(ValueError, match=r"automatic_gamma=...\): gamma is the stability "
                                          r"constant .* got clipping='flat'"):
         make_dp_train_step(ghost, xent, opt, automatic_gamma=0.1, **common)

@@ -19,7 +19,9 @@ def test_dp_clipping_example_smoke(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "dp_clipping_digits.json").read_text())
     rows = {r["setting"]: r for r in res["rows"]}
     assert list(rows) == ["fixed C=1", "fixed C=0.1", "adaptive (C_0=0.1, median)",
-                          "adaptive (C_0=0.1, q=0.1)", "automatic C=1"]
+                          "adaptive (C_0=0.1, q=0.1)", "adaptive normalised (C_0=0.1, median)",
+                          "adaptive normalised (C_0=0.1, median, sigma_b=qN/5)",
+                          "automatic C=1"]
     for r in rows.values():  # every setting spent the target epsilon, within 1%
         assert abs(r["epsilon"] - 3.0) < 0.03
         assert 0.0 <= r["test_accuracy"] <= 1.0
@@ -29,3 +31,7 @@ def test_dp_clipping_example_smoke(tmp_path: Path) -> None:
         "grad_noise_multiplier"]
     assert adaptive["final_clip_norm"] != 0.1 and adaptive["final_clip_norm"] > 0
     assert rows["fixed C=1"]["final_clip_norm"] is None
+    # 4x the count noise spends less of the budget on the count: a smaller raise
+    cheap = rows["adaptive normalised (C_0=0.1, median, sigma_b=qN/5)"]
+    assert res["sigma"] < cheap["grad_noise_multiplier"] < adaptive["grad_noise_multiplier"]
+    assert rows["adaptive normalised (C_0=0.1, median)"]["final_clip_norm"] != 0.1

@@ -54,6 +54,18 @@ class AdaptiveClipping:
     must leave budget for the gradient); the gradient noise multiplier is then
     :func:`adaptive_grad_noise_multiplier`.
 
+    ``normalize_update``: divide the noisy clipped mean by ``C_t`` before the optimizer sees
+    it, ``(sum_i coef_i g_i + N(0, (sigma_grad C_t)^2 I)) / (q N C_t)``. Every clipped example
+    then contributes at most norm 1 and the noise has std ``sigma_grad / (q N)`` whatever
+    ``C_t`` is, so the step size is set by the optimizer's learning rate alone (as in
+    automatic clipping) and a rising ``C_t`` cannot enlarge the update and its noise. Without
+    it (``False``) the update scales with ``C_t`` at a fixed learning rate, which can feed back
+    on itself under heavy noise (noisier steps, larger norms, larger ``C_t``). Dividing the
+    released sum by ``C_t`` is post-processing (``C_t`` is a function of the counts already
+    released): the privacy cost is unchanged. The learning rate then sets the step of a
+    unit-norm mean, as with a fixed threshold ``C = 1``. ``docs/dp_clipping.md`` has the
+    comparison behind the default ``True``.
+
     Example:
         >>> AdaptiveClipping(target_quantile=0.7).learning_rate
         0.2
@@ -62,6 +74,7 @@ class AdaptiveClipping:
     target_quantile: float = 0.5
     learning_rate: float = 0.2
     count_noise_multiplier: float | None = None
+    normalize_update: bool = True
 
     def __post_init__(self) -> None:
         where = "AdaptiveClipping"
@@ -79,6 +92,9 @@ class AdaptiveClipping:
                                or not math.isfinite(sb) or sb < 0):
             raise ValueError(f"{where}(count_noise_multiplier=...): expected None or a finite "
                              f"number >= 0, got {sb!r}")
+        if not isinstance(self.normalize_update, bool):
+            raise TypeError(f"{where}(normalize_update=...): expected True or False, got "
+                            f"{self.normalize_update!r}")
 
 
 def adaptive_grad_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:

@@ -46,6 +46,7 @@ it, so the compiled step stays pure.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
@@ -357,6 +358,8 @@ class DPTrainStep:
                ) -> tuple[TensorDict, list[str]]:
         """Return ``({name: (sum + noise) / (q N)}, noised names)`` for the trainable params.
 
+        With adaptive clipping's ``normalize_update`` the divisor is ``q N C_t``.
+
         ``noise_slices`` (the sharded step): ``{name: (numel, start, length, size)}`` -- the
         param's full element count, where this shard starts in its flattened elements, how
         many of them are real and the padded shard length. Each shard then adds exactly its
@@ -368,6 +371,10 @@ class DPTrainStep:
         clip_norm = self._clip_norm(state)
         noise_std = self.noise_std if self.adaptive_clipping is None else (
             self.grad_noise_multiplier * clip_norm)  # sigma_grad * C_t (0-d)
+        # the divisor: q N, or q N C_t for adaptive clipping's normalize_update
+        denom = self.expected_batch_size
+        if self.adaptive_clipping is not None and self.adaptive_clipping.normalize_update:
+            denom = self.expected_batch_size * clip_norm
         with _part("torchfn.noise"):
             self._check_key(state.key)
             if noise_slices is not None:
@@ -390,10 +397,10 @@ class DPTrainStep:
                 g = sums[name].to(state.params[name].dtype)
                 if self.secure_noise:
                     grads[name] = ((g.to(torch.float64) + noise_std * z.reshape(g.shape))
-                                   / self.expected_batch_size).to(g.dtype)
+                                   / denom).to(g.dtype)
                     continue
                 noise = z.reshape(g.shape).to(g.dtype)
-                grads[name] = (g + noise_std * noise) / self.expected_batch_size
+                grads[name] = (g + noise_std * noise) / denom
         return grads, noised
 
     def _noise_slices(self, state: DPState, noised: list[str],
@@ -673,7 +680,10 @@ def make_dp_train_step(
       per-sample norms through a noisy count of unclipped examples; the gradient noise
       multiplier is raised to ``sigma_grad`` (:func:`adaptive_grad_noise_multiplier`) so that
       gradient and count together cost ``noise_multiplier`` -- the sigma the accountant is
-      stepped with. Adds ``metrics["max_grad_norm"]`` (the ``C_t`` this step clipped to) and
+      stepped with. ``AdaptiveClipping(normalize_update=True)`` divides the noisy clipped mean
+      by ``C_t`` as well (post-processing, no privacy cost), so the update no longer grows with
+      ``C_t`` at a fixed learning rate. Adds ``metrics["max_grad_norm"]`` (the ``C_t`` this
+      step clipped to) and
       ``metrics["unclipped_fraction"]`` (the noisy ``b_t``). ``C_t`` is a 0-d tensor, so the
       compiled step does not recompile as it moves.
 
@@ -814,7 +824,7 @@ def _check_adaptive(adaptive: AdaptiveClipping | None, clipping: str, sigma: flo
     default = ""
     if sb is None:
         sb, default = expected_batch_size / 20.0, " (the default, expected batch size / 20)"
-        adaptive = AdaptiveClipping(adaptive.target_quantile, adaptive.learning_rate, sb)
+        adaptive = dataclasses.replace(adaptive, count_noise_multiplier=sb)
     if sigma > 0 and not sb > sigma / 2.0:  # sigma_grad^-2 = sigma^-2 - (2 sb)^-2 > 0
         raise ValueError(
             f"{where}: count_noise_multiplier must be > noise_multiplier / 2 = "
