@@ -40,7 +40,7 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # report real peaks
 
-from meta_jax import conv_net, cross_entropy  # noqa: E402  (numpy/jax only, same folder)
+from meta_jax import conv_net, cross_entropy  # numpy/jax only, same folder
 
 
 def _safe_div(num, den):
@@ -69,11 +69,11 @@ def conjugate_gradient(matvec, b, steps: int):
     for _ in range(steps):
         ap = matvec(p)
         alpha = _safe_div(rr, dot(p, ap))
-        x = tm(lambda xi, pi: xi + alpha * pi, x, p)
-        r = tm(lambda ri, api: ri - alpha * api, r, ap)
+        x = tm(lambda xi, pi, a=alpha: xi + a * pi, x, p)
+        r = tm(lambda ri, api, a=alpha: ri - a * api, r, ap)
         rr_new = dot(r, r)
         beta = _safe_div(rr_new, rr)
-        p = tm(lambda ri, pi: ri + beta * pi, r, p)
+        p = tm(lambda ri, pi, b=beta: ri + b * pi, r, p)
         rr = rr_new
     return x
 
