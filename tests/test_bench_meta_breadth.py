@@ -69,6 +69,18 @@ def test_a_difference_above_tol_fails_the_run(tmp_path: Path):
     assert res["mismatches"] == ["protonet eager"] and res["rows"][0]["ok"] is False
 
 
+def test_a_compiled_row_that_does_not_fit_the_budget_is_skipped_not_run(tmp_path: Path):
+    out = tmp_path / "r.json"
+    args = [*SMALL, "--algos", "imaml", "--inner-steps", "1", "--imaml-variants",
+            "eager,compiled-unfold", "--compiled-steps", "1", "--budget-s", "10", "--imaml-compile-estimate-s", "60",
+            "--out", str(out)]
+    assert _load().main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "compiled-unfold"]
+    assert rows[1]["skipped"].startswith("budget: ") and "> --budget-s 10" in rows[1]["skipped"]
+    assert "median_s" not in rows[1]
+
+
 def test_npz_round_trip_and_jax_output_comparison(tmp_path: Path):
     mb = _load()
     from meta import make_tasks, max_rel_diff
