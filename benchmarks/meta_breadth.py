@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"iMAML peak memory, K={max(args.inner_steps)} / K={min(args.inner_steps)}: "
               f"{variant} {ratio:.3f}x", flush=True)
     results["mismatches"] = bad
+    for line in speed_vs_jax(results["rows"]):
+        print("JAX / torchfn:", line, flush=True)
     save()
     print(f"done in {elapsed():.0f} s" + (f"; MISMATCH in {bad}" if bad else ""), flush=True)
     return 1 if bad else 0
@@ -340,6 +342,19 @@ def memory_flatness(rows: list[dict]) -> dict[str, float]:
             by_variant.setdefault(r["variant"], {})[r["inner_steps"]] = r["peak_bytes"]
     return {v: peaks[max(peaks)] / peaks[min(peaks)] for v, peaks in by_variant.items()
             if len(peaks) > 1}
+
+
+def speed_vs_jax(rows: list[dict]) -> list[str]:
+    """One line per (algo, K) with a JAX row: each timed torch variant's JAX / torchfn ratio."""
+    timed = [r for r in rows if "median_s" in r]
+    out = []
+    for j in (r for r in timed if r["variant"] == "jax"):
+        k = "" if j["inner_steps"] is None else f" K={j['inner_steps']}"
+        pairs = [f"{r['variant']} {j['median_s'] / r['median_s']:.2f}x"
+                 for r in timed if r["variant"] != "jax" and r["algo"] == j["algo"]
+                 and r["inner_steps"] == j["inner_steps"]]
+        out.append(f"{j['algo']}{k}: JAX {j['median_s'] * 1e3:.2f} ms; " + ", ".join(pairs))
+    return out
 
 
 def markdown(results: dict) -> str:
@@ -377,6 +392,8 @@ def markdown(results: dict) -> str:
             f"{'-' if peak is None else f'{peak / 2**20:.0f} MiB'} | {r['first_call_s']:.1f} s"
             f" | {fmt(r.get('rel_diff_vs_eager'))} | {fmt(r.get('rel_diff_vs_jax'))} | "
             f"{'yes' if r.get('ok') else 'MISMATCH'} |")
+    lines += ["", "Speed against JAX (JAX step / torchfn step; > 1: torchfn faster):", ""]
+    lines += [f"- {line}" for line in speed_vs_jax(results["rows"])] or ["- no pair measured"]
     flat = results.get("memory_flat_in_k", {})
     if flat:
         lines += ["", "iMAML peak memory at the largest K over the smallest: "
