@@ -29,8 +29,12 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # report real peaks
 
 
-def conv_net(params, x, *, n_blocks: int, eps: float, precision):
-    """Return logits ``(N, n_way)`` for ``x (N, C, H, W)``; ``params`` keyed like torch's."""
+def conv_net(params, x, *, n_blocks: int, eps: float, precision, head: bool = True):
+    """Return logits ``(N, n_way)`` for ``x (N, C, H, W)``; ``params`` keyed like torch's.
+
+    ``head=False``: the flattened features ``(N, C * H' * W')`` before the linear head (the
+    embedding of ``benchmarks/meta_breadth_jax.py``'s ProtoNet).
+    """
     import jax.numpy as jnp
     from jax import lax
 
@@ -48,8 +52,10 @@ def conv_net(params, x, *, n_blocks: int, eps: float, precision):
         h = jnp.maximum(h, 0)
         h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
     h = h.reshape(h.shape[0], -1)
-    head = f"{4 * n_blocks + 1}"
-    return jnp.matmul(h, params[head + ".weight"].T, precision=precision) + params[head + ".bias"]
+    if not head:
+        return h
+    name = f"{4 * n_blocks + 1}"
+    return jnp.matmul(h, params[name + ".weight"].T, precision=precision) + params[name + ".bias"]
 
 
 def cross_entropy(logits, labels):
