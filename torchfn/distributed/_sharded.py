@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _replace
+from torchfn.distributed._blocks import make_blocked_model
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import _group, _materialise, all_reduce_tree
 from torchfn.functional import (
@@ -144,6 +145,11 @@ class ShardLayout:
                 out[k] = part
         return {k: out[k] for k in self.shapes}
 
+    def subset(self, names: list[str] | tuple[str, ...]) -> ShardLayout:
+        """Return the layout of the params ``names`` only (same ranks, same chunks)."""
+        return dataclasses.replace(self, shapes={k: self.shapes[k] for k in names},
+                                   dtypes={k: self.dtypes[k] for k in names})
+
     def check_shards(self, shards: Mapping[str, Tensor], where: str) -> None:
         """Raise ``ValueError`` unless ``shards`` are this layout's flat shards."""
         if list(shards) != list(self.shapes):
@@ -219,6 +225,7 @@ def make_sharded_train_step(
     skip_nonfinite: bool = True,
     sync_buffers: bool = True,
     seed_rng: bool = True,
+    blocks: Any = None,
     **unsupported: Any,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Tensor]]]:
     """Return ``step(state, local_batch) -> (new_state, metrics)`` with sharded params and state.
@@ -267,10 +274,22 @@ def make_sharded_train_step(
     core = StepOptions(lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite, where=where)
     rank, world = world_info(layout.group, where)
     k = grad_accum_steps
+    blocked = make_blocked_model(model_fn, blocks, layout, where) if blocks is not None else None
+    outside = blocked.outside if blocked is not None else tuple(layout.shapes)
+    in_blocks = tuple(n for n in layout.shapes if n not in outside)
+    outside_layout = layout.subset(outside)
+
+    def run_model(p: TensorDict, buffers: TensorDict, x: Any) -> Any:
+        if blocked is None:
+            return _call(model_fn, p, buffers, x)
+        full, shards = {n: p[n] for n in outside}, {n: p[n] for n in in_blocks}
+        if isinstance(x, Mapping):
+            return blocked(full, shards, buffers, **x)
+        return blocked(full, shards, buffers, x)
 
     def forward_backward(full: TensorDict, buffers: TensorDict, x: Any, y: Any):
         def objective(p: TensorDict) -> tuple[Tensor, TensorDict]:
-            out, new_buffers = _call(model_fn, p, buffers, x)
+            out, new_buffers = run_model(p, buffers, x)
             loss = loss_fn(out, y)
             if not isinstance(loss, Tensor) or loss.ndim != 0:
                 raise ValueError(f"sharded train step: loss_fn(outputs, targets) must return "
@@ -283,7 +302,9 @@ def make_sharded_train_step(
         layout.check_shards(state.params, "sharded train step: state.params")
         if not isinstance(batch, tuple) or len(batch) != 2:
             raise TypeError("sharded train step: batch must be a tuple (inputs, targets)")
-        full = layout.gather(state.params)
+        # per-block: the params outside every block gathered whole, the blocks' stay shards
+        full = outside_layout.gather({n: state.params[n] for n in outside}) if outside else {}
+        full.update({n: state.params[n] for n in in_blocks})
         use_rng = seed_rng and not torch.compiler.is_compiling()
         rng_state = _replace(state, seed=state.seed + _RANK_SALT * rank) if rank else state
         ctx = step_rng(rng_state) if use_rng else contextlib.nullcontext()
@@ -296,7 +317,11 @@ def make_sharded_train_step(
         assert grads is not None
         if k > 1:
             grads = {n: t / k for n, t in grads.items()}
-        shard = layout.reduce_scatter_mean(grads)
+        # the blocks' gradients come back as shards already summed over the ranks
+        shard = outside_layout.reduce_scatter_mean({n: grads[n] for n in outside}) if outside \
+            else {}
+        shard.update({n: grads[n] / world for n in in_blocks})
+        shard = {n: shard[n] for n in layout.shapes}
         clipped = ({n: t.clamp(-clip_value, clip_value) for n, t in shard.items()}
                    if clip_value is not None else shard)
 
