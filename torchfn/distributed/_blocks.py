@@ -54,11 +54,14 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_pos: list[int] = []
         self.rng: tuple[Tensor, Tensor | None, torch.device | None] | None = None
+        self.saved: tuple[Tensor, ...] = ()
         # the block's buffers as placed at call time (the backward runs after the call returns)
         self.buffers = dict(block.module.named_buffers(remove_duplicate=False))
 
-    def run(self, full: Mapping[str, Tensor], tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Return the block's tensor outputs on ``full`` params and input ``tensors``."""
+    def run(self, full: Mapping[str, Tensor], tensors: Sequence[Tensor],
+            keep: bool = True) -> list[Tensor]:
+        """Return the block's tensor outputs on ``full`` params and input ``tensors``; ``keep``
+        records the output structure (the forward), the recompute keeps nothing."""
         leaves = list(self.in_leaves)
         for pos, t in zip(self.tensor_pos, tensors, strict=True):
             leaves[pos] = t
@@ -89,9 +92,11 @@ class _Call:
                 "is recomputed in the backward, so its buffers must be read-only. Leave that "
                 "module outside every block")
         leaves, spec = optree.tree_flatten(out, none_is_leaf=False)
-        self.out_spec, self.out_leaves = spec, leaves
-        self.out_pos = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
-        return [leaves[i] for i in self.out_pos]
+        pos = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
+        if keep:  # non-tensor outputs are constants; the tensor slots are filled by outputs()
+            self.out_spec, self.out_pos = spec, pos
+            self.out_leaves = [None if i in pos else v for i, v in enumerate(leaves)]
+        return [leaves[i] for i in pos]
 
     def outputs(self, tensors: Sequence[Tensor]) -> Any:
         leaves = list(self.out_leaves)
@@ -119,6 +124,7 @@ class _GatherBlock(torch.autograd.Function):
     def forward(call: _Call, n: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         shards, inputs = flat[:n], flat[n:]
         dev = next((t.device for t in flat if t.device.type == "cuda"), None)
+        call.saved = flat  # the level's plain tensors (see setup_context)
         call.rng = (torch.get_rng_state(),
                     torch.cuda.get_rng_state(dev) if dev is not None else None, dev)
         with torch.no_grad():
@@ -133,14 +139,13 @@ class _GatherBlock(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         call, n, *flat = inputs
         ctx.call, ctx.n = call, n
-        ctx.save_for_backward(*flat)
         ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
         call, n = ctx.call, ctx.n
-        flat = ctx.saved_tensors
+        flat, call.saved = call.saved, ()
         shards, inputs = flat[:n], flat[n:]
         with torch.no_grad():
             full = _gather(call, shards)
@@ -158,17 +163,17 @@ class _GatherBlock(torch.autograd.Function):
                 torch.set_rng_state(cpu_rng)
                 if cuda_rng is not None:
                     torch.cuda.set_rng_state(cuda_rng, dev)
-                outs = call.run(p, ins)
+                outs = call.run(p, ins, keep=False)
             out_float[:] = [o.is_floating_point() for o in outs]
             return [o for o in outs if o.is_floating_point()]
 
         # the recompute runs inside torch.func's grad level: differentiate it with vjp (a new
-        # level), not torch.autograd (requires_grad_ is refused under a functorch transform)
-        with torch.enable_grad():
-            _, vjp_fn = torch.func.vjp(block_fn, full, [inputs[i] for i in float_pos])
-            del full
-            cot = [g for g, f in zip(grad_outs, out_float, strict=True) if f]
-            g_full, g_in = vjp_fn(cot)
+        # level; requires_grad_ is refused under a functorch transform). Grad mode stays off
+        # (once_differentiable): the outer level records nothing, so the gathered params die
+        # with this function instead of living on in a graph behind the input gradients
+        _, vjp_fn = torch.func.vjp(block_fn, full, [inputs[i] for i in float_pos])
+        del full, _
+        g_full, g_in = vjp_fn([g for g, f in zip(grad_outs, out_float, strict=True) if f])
         del vjp_fn
         full_grads = {k: g_full[k] for k in names}
         del g_full
@@ -177,6 +182,18 @@ class _GatherBlock(torch.autograd.Function):
         in_grads = dict(zip(float_pos, g_in, strict=True))
         return (None, None, *[shard_grads[k] for k in call.block.params],
                 *[in_grads.get(i) for i in range(len(inputs))])
+
+
+_COMPILE_MSG = (
+    "sharded step (blocks=...): per-block gathering runs eagerly only; torch.compile of a "
+    "torch.func.grad over its autograd.Function (gather, recompute and reduce-scatter in the "
+    "backward) is not supported. Call the step without torch.compile, or compile the "
+    "whole-gather step (blocks=None)")
+
+
+@torch.compiler.disable(reason=_COMPILE_MSG)
+def _refuse_compile() -> None:
+    raise RuntimeError(_COMPILE_MSG)
 
 
 class BlockedModel:
@@ -197,6 +214,8 @@ class BlockedModel:
 
     def _make_forward(self, blk: _Block) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                _refuse_compile()
             if self._shards is None:
                 raise RuntimeError(f"block {blk.name!r} called outside a sharded step")
             leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=False)
