@@ -54,7 +54,6 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_pos: list[int] = []
         self.rng: tuple[Tensor, Tensor | None, torch.device | None] | None = None
-        self.saved: tuple[Tensor, ...] = ()
         # the block's buffers as placed at call time (the backward runs after the call returns)
         self.buffers = dict(block.module.named_buffers(remove_duplicate=False))
 
@@ -124,7 +123,6 @@ class _GatherBlock(torch.autograd.Function):
     def forward(call: _Call, n: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         shards, inputs = flat[:n], flat[n:]
         dev = next((t.device for t in flat if t.device.type == "cuda"), None)
-        call.saved = flat  # the level's plain tensors (see setup_context)
         call.rng = (torch.get_rng_state(),
                     torch.cuda.get_rng_state(dev) if dev is not None else None, dev)
         with torch.no_grad():
@@ -139,13 +137,14 @@ class _GatherBlock(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         call, n, *flat = inputs
         ctx.call, ctx.n = call, n
+        ctx.save_for_backward(*flat)  # the shards (state anyway) and the block's inputs
         ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
         call, n = ctx.call, ctx.n
-        flat, call.saved = call.saved, ()
+        flat = ctx.saved_tensors
         shards, inputs = flat[:n], flat[n:]
         with torch.no_grad():
             full = _gather(call, shards)
