@@ -124,6 +124,8 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         _blocks._ON_GATHER = count
         try:
             for name, blocks in BLOCKS.items():
+                if world == 4 and name != "auto":  # (keeps the 4-rank run short)
+                    continue
                 out[name] = _train(net(), blocks, rank, world)
                 out[name]["peak"], out[name]["live_after"] = peak[0], live[0]
                 peak[0] = 0
@@ -168,8 +170,10 @@ def _close(a: dict, b: dict, **tol: float) -> None:
         torch.testing.assert_close(a[k], b[k], **(tol or TOL), msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("blocks", list(BLOCKS))
+CASES = [(2, b) for b in BLOCKS] + [(4, "auto")]
+
+
+@pytest.mark.parametrize(("world", "blocks"), CASES)
 def test_blocks_equal_whole_gather_and_one_process(runs, world, blocks):
     ref = _reference()
     assert float(ref["grad_norm"]) > KW["max_grad_norm"]  # clipping was exercised
@@ -186,8 +190,7 @@ def test_blocks_equal_whole_gather_and_one_process(runs, world, blocks):
         _close(got["params"], runs[world][0][blocks]["params"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("blocks", list(BLOCKS))
+@pytest.mark.parametrize(("world", "blocks"), CASES)
 def test_gathered_params_alive_at_once_are_one_block(runs, world, blocks):
     module = net()
     block = sum(p.numel() for p in module.layers[0].parameters())
