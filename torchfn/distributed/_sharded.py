@@ -315,6 +315,10 @@ def make_sharded_train_step(
                 grads = g if grads is None else {n: grads[n] + g[n] for n in g}
                 losses.append(loss)
         assert grads is not None
+        # drop what is no longer needed (rebinding, not del: some are closure cells, which
+        # Dynamo cannot delete): the whole-gather step's full params, the last micro-batch's
+        # gradients, then the summed gradients and the unclipped shard
+        full = g = None  # type: ignore[assignment]
         if k > 1:
             grads = {n: t / k for n, t in grads.items()}
         # the blocks' gradients come back as shards already summed over the ranks
@@ -322,6 +326,7 @@ def make_sharded_train_step(
             else {}
         shard.update({n: grads[n] / world for n in in_blocks})
         shard = {n: shard[n] for n in layout.shapes}
+        grads = None  # type: ignore[assignment]
         clipped = ({n: t.clamp(-clip_value, clip_value) for n, t in shard.items()}
                    if clip_value is not None else shard)
 
@@ -330,6 +335,7 @@ def make_sharded_train_step(
 
         small = {"loss": torch.stack(losses).mean().detach().double(),
                  "sumsq": sumsq(shard), "sumsq_clipped": sumsq(clipped)}
+        shard = None  # type: ignore[assignment]  (clipped is it without clip_value)
         if sync_buffers:
             small.update({f"buffer/{n}": v for n, v in buffers.items()
                           if torch.is_floating_point(v)})
