@@ -1,12 +1,19 @@
-"""A decoder too large for one 80 GB GPU with Adam, trained on 2 GPUs with per-block sharding.
+"""A decoder too large for one 80 GB GPU with Adam, trained on 4 GPUs with per-block sharding.
 
 Default size (``--layers 26 --d-model 4096 --vocab 32000``): about 5.5e9 fp32 params, so
 params + gradients + Adam's two moments take about 16 bytes x 5.5e9 = 88 GB unsharded -- more
 than one H100 holds before any activation. With :func:`make_sharded_train_step`
 ``(blocks="auto")`` on ``W`` ranks each rank keeps ``1 / W`` of the params, gradients and Adam
-state (~44 GB at ``W = 2``) plus the params outside the blocks (embedding, final norm, head:
-gathered whole), one gathered decoder layer (~0.8 GB, two while one is recomputed) and the
-activations at the layer boundaries.
+state plus the params outside the blocks (embeddings, final norm, head: gathered whole), one
+gathered decoder layer (~0.8 GB; two while one is recomputed) and the activations at the layer
+boundaries.
+
+Why 4 GPUs and not 2: the step is pure (out-of-place), so at the update a rank holds the old
+state (params + moments, 12 bytes/param), the clipped gradient shard (4), the new moments (8),
+the update (4) and the new params (4): about 32 bytes x P / W at the peak, ~44 GB per rank at
+W = 4 for 5.5e9 params, but ~88 GB at W = 2. (Without in-place updates / buffer donation two
+80 GB cards cannot train a model whose Adam state alone exceeds one card.) The script prints
+this estimate next to the measured ``torch.cuda.max_memory_allocated``.
 
 The model is never materialised on one rank: it is built on the ``meta`` device (shapes only),
 the :class:`ShardLayout` comes from the meta params, and each rank draws its own flat shard of
@@ -14,13 +21,14 @@ every param directly on its device (normal(0, 0.02) weights, zero biases, unit n
 rank's padding past the param's end is zero). The numbers are a benchmark's, not a checkpoint's:
 the shards are drawn per rank, not sliced from one full draw.
 
-Reports per rank: step time (median of the timed steps after ``--warmup``), the loss, and
-``torch.cuda.max_memory_allocated`` (GPU) -- and, with ``--whole``, whether the whole-gather step
-(``blocks=None``) runs at all (on the GPU it runs out of memory at the default size).
+Reports per rank: step time (median of the timed steps after ``--warmup``), the losses, and
+``torch.cuda.max_memory_allocated`` -- and, with ``--whole``, whether the whole-gather step
+(``blocks=None``) runs at all (every rank then holds the full params and full gradients:
+~44 GB more, so at the default size it runs out of memory).
 
-GPU (2 x H100 80 GB)::
+GPU (4 x H100 80 GB)::
 
-    torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --whole
+    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py --whole
 
 CPU smoke run (2 gloo processes, a tiny decoder; also checks per-block == whole-gather)::
 
@@ -191,6 +199,7 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "unsharded_param_grad_adam_GB": 16 * n_params / 1e9,
             "sharded_state_per_rank_GB": 16 * n_params / world / 1e9,
+            "estimated_update_peak_per_rank_GB": 32 * n_params / world / 1e9,
             "layers": args.layers, "d_model": args.d_model, "seq": args.seq,
             "batch_per_rank": args.batch, "ranks": everyone}, indent=1))
     dist.destroy_process_group()

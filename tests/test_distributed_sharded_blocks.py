@@ -115,10 +115,13 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         out["whole"] = _train(net(), None, rank, world)
         live, peak = [0], [0]
 
+        def free(n: int) -> None:
+            live[0] -= n
+
         def count(full: dict[str, torch.Tensor]) -> None:
             for t in full.values():
                 live[0] += t.numel()
-                weakref.finalize(t, lambda n=t.numel(): live.__setitem__(0, live[0] - n))
+                weakref.finalize(t, free, t.numel())
             peak[0] = max(peak[0], live[0])
 
         _blocks._ON_GATHER = count
