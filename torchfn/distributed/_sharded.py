@@ -244,6 +244,25 @@ def make_sharded_train_step(
       clips by the same factor and skips the same steps.
     - ``sync_buffers`` averages float buffers over the ranks (as the data-parallel step).
     - ``seed_rng`` (eager): rank ``r`` draws its randomness from ``seed + r * 1000003``.
+    - ``blocks`` (per-block gathering, ZeRO-3 / FSDP style; eager only): ``None`` (default)
+      gathers every param at the start of the step, so each rank holds the full params and
+      the full gradient. With ``blocks`` the params of each block (a submodule, e.g. a
+      transformer layer) are all-gathered only while the block runs and dropped after; the
+      backward gathers them again, recomputes the block (its activations are not kept either)
+      and reduce-scatters the block's gradient as soon as its backward is done. Peak memory per
+      rank: the shards with their optimizer state and gradient, the params outside every block
+      (gathered whole, e.g. embeddings and the head), one gathered block (two during a
+      recomputation) and the activations at the block boundaries. ``model_fn`` must then be an
+      ``nn.Module`` or a :func:`torchfn.functional.make_functional` model (the blocks are its
+      submodules; an ``nn.Module`` may live on the ``meta`` device, so the full model is never
+      materialised). ``blocks`` is ``"auto"`` (the children of the ``nn.ModuleList`` holding
+      the most params), a list of submodule names (``["layers.0", "layers.1"]``) or a callable
+      ``(name, module) -> bool`` over ``named_modules()``. Same numbers as ``blocks=None``
+      (float round-off); dropout inside a block replays its random numbers in the
+      recomputation. Refused with a ``ValueError``: a name that is no submodule, overlapping
+      or repeated blocks, a block without params, a param tied across blocks or between a
+      block and the rest, a block whose forward assigns its buffers (BatchNorm in training
+      mode: keep it outside the blocks); ``torch.compile`` of the step raises (eager only).
     - Not supported (``TypeError`` at build time): ``amp``, ``loss_scaler``, ``trainable``,
       ``grad_transform``.
 
