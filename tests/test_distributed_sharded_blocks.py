@@ -301,3 +301,65 @@ def test_compile_is_refused(world_of_one):
     # an eager step of the same object still works afterwards
     new, _ = step(state, batch)
     assert int(new.step) == 1
+
+
+class TiedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class TiedInside(nn.Module):
+    """Blocks whose two Linear layers share one weight (a tie inside one block)."""
+
+    def __init__(self, container: bool = False) -> None:
+        super().__init__()
+        self.container = container
+        self.layers = nn.ModuleList(TiedBlock() for _ in range(2))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.layers:  # container=True calls the block's children, not the block
+            x = x + blk.b(torch.tanh(blk.a(x))) if self.container else blk(x)
+        return self.out(x)
+
+
+def test_meta_module_and_tie_inside_a_block_equal_whole_gather(world_of_one):
+    """An nn.Module on the meta device (the big-model path: never materialised) with a tie
+    inside each block, per-block == whole gather (a FunctionalModel of the real module)."""
+    torch.manual_seed(0)
+    module = TiedInside().to(F64)
+    model_fn, params, buffers = make_functional(module)
+    with torch.device("meta"):
+        meta = TiedInside().to(F64)
+    layout = tdist.ShardLayout.from_params(params)
+    opt = adam(0.05)
+    states = []
+    for fn, blocks in ((model_fn, None), (meta, "auto")):
+        step = tdist.make_sharded_train_step(fn, F.mse_loss, opt, layout, blocks=blocks,
+                                             **KW)
+        state = tdist.init_sharded_state(params, buffers, opt, layout, seed=0)
+        for x, y in batches():
+            state, _ = step(state, (x, y[:, :2]))
+        states.append(layout.gather(state.params))
+    assert list(params) == ["layers.0.a.weight", "layers.0.a.bias", "layers.0.b.bias",
+                            "layers.1.a.weight", "layers.1.a.bias", "layers.1.b.bias",
+                            "out.weight", "out.bias"]
+    _close(states[1], states[0])
+    assert not torch.equal(states[1]["layers.0.a.weight"], params["layers.0.a.weight"])
+
+
+def test_block_params_read_outside_the_block_raise(world_of_one):
+    module = TiedInside(container=True).to(F64)
+    model_fn, params, buffers = make_functional(module)
+    layout = tdist.ShardLayout.from_params(params)
+    opt = adam(0.1)
+    step = tdist.make_sharded_train_step(model_fn, F.mse_loss, opt, layout, blocks="auto")
+    state = tdist.init_sharded_state(params, buffers, opt, layout, seed=0)
+    with pytest.raises(RuntimeError, match=r"the model read a block's param outside the block's "
+                                           r"forward .*Blocks: \['layers\.0', 'layers\.1'\]"):
+        step(state, (torch.randn(4, 4, dtype=F64), torch.randn(4, 2, dtype=F64)))

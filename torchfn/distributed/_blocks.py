@@ -245,7 +245,18 @@ class BlockedModel:
                     o, a = _owner(self.root, alias)
                     saved_b.append((o, a, o._buffers[a]))
                     o._buffers[a] = buffers[name]
-            out = self.root(*args, **kwargs)
+            try:
+                out = self.root(*args, **kwargs)
+            except (RuntimeError, NotImplementedError) as e:
+                if "meta" not in str(e):
+                    raise
+                raise RuntimeError(
+                    f"sharded step (blocks=...): the model read a block's param outside the "
+                    f"block's forward (it touched a meta placeholder: {e}). A block's params "
+                    "are only gathered while module(...) of the block runs: pick blocks whose "
+                    "forward is called (e.g. a transformer layer), not containers whose children "
+                    f"are called directly (ModuleList, ModuleDict). Blocks: "
+                    f"{[b.name for b in self.blocks]}") from e
             new_buffers = {name: _owner(self.root, aliases[0])[0]._buffers[
                 _owner(self.root, aliases[0])[1]] for name, aliases in self._buffer_slots.items()}
         finally:
