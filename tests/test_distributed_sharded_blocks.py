@@ -363,3 +363,60 @@ def test_block_params_read_outside_the_block_raise(world_of_one):
     with pytest.raises(RuntimeError, match=r"the model read a block's param outside the block's "
                                            r"forward .*Blocks: \['layers\.0', 'layers\.1'\]"):
         step(state, (torch.randn(4, 4, dtype=F64), torch.randn(4, 2, dtype=F64)))
+
+
+class Wide(nn.Module):
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))
+                                    for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_peak_memory_of_forward_backward_is_one_block_not_the_model():
+    """On one GPU (NCCL, a world of one, so the shards are whole): the memory allocated up to
+    the update (read by a pass-through optimizer stage) holds the full params and gradient
+    with whole gathering, but only the gradient shards and about one block with ``blocks``."""
+    import torchopt
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(0)
+        d, n = 1024, 8
+        with torch.device("cuda"):
+            module = Wide(d, n)
+        model_fn, params, buffers = make_functional(module)
+        p_bytes = sum(t.numel() * t.element_size() for t in params.values())
+        layout = tdist.ShardLayout.from_params(params)
+        peaks: list[int] = []
+
+        def probe_update(updates: Any, state: Any, *, params: Any = None,
+                         inplace: bool = True) -> tuple[Any, Any]:
+            peaks.append(torch.cuda.max_memory_allocated())
+            return updates, state
+
+        opt = torchopt.chain(torchopt.base.GradientTransformation(lambda p: (), probe_update),
+                             torchopt.sgd(0.01))
+        x = torch.randn(4, d, device="cuda")
+        extra = {}
+        for blocks in (None, "auto"):
+            step = tdist.make_sharded_train_step(model_fn, F.mse_loss, opt, layout,
+                                                 blocks=blocks)
+            state = tdist.init_sharded_state(params, buffers, opt, layout, seed=0)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step(state, (x, torch.zeros_like(x)))
+            extra[blocks] = peaks[-1] - base
+        block = p_bytes / n
+        assert extra[None] >= 2 * p_bytes  # full params + full gradient
+        assert extra["auto"] <= p_bytes + 4 * block  # gradient shards + ~one block (+ temps)
+    finally:
+        dist.destroy_process_group()

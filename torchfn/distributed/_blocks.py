@@ -47,9 +47,10 @@ class _Call:
     """One call of a block: what the Function needs besides tensors."""
 
     def __init__(self, block: _Block, in_spec: Any, in_leaves: list[Any],
-                 tensor_pos: list[int]) -> None:
+                 tensor_pos: list[int], grad_scale: float) -> None:
         self.block, self.in_spec, self.in_leaves, self.tensor_pos = (block, in_spec, in_leaves,
                                                                       tensor_pos)
+        self.grad_scale = grad_scale
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.out_pos: list[int] = []
@@ -178,6 +179,8 @@ class _GatherBlock(torch.autograd.Function):
         del g_full
         shard_grads = call.block.layout.reduce_scatter_sum(full_grads)
         del full_grads
+        if call.grad_scale != 1.0:  # the step's 1 / (ranks x micro-batches), block by block
+            shard_grads = {k: v * call.grad_scale for k, v in shard_grads.items()}
         in_grads = dict(zip(float_pos, g_in, strict=True))
         return (None, None, *[shard_grads[k] for k in call.block.params],
                 *[in_grads.get(i) for i in range(len(inputs))])
@@ -208,6 +211,9 @@ class BlockedModel:
         self.root, self.blocks, self.outside = root, blocks, outside
         self._param_slots, self._buffer_slots = param_slots, buffer_slots
         self._shards: Mapping[str, Tensor] | None = None
+        # the shard gradients come back multiplied by this (the step sets 1 / (W k)), so the
+        # step never copies the whole gradient shard to scale it
+        self.grad_scale = 1.0
         for blk in blocks:
             blk.module.forward = self._make_forward(blk)  # type: ignore[method-assign]
 
@@ -219,7 +225,7 @@ class BlockedModel:
                 raise RuntimeError(f"block {blk.name!r} called outside a sharded step")
             leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=False)
             pos = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
-            call = _Call(blk, spec, leaves, pos)
+            call = _Call(blk, spec, leaves, pos, self.grad_scale)
             shards = [self._shards[k] for k in blk.params]
             outs = _GatherBlock.apply(call, len(shards), *shards, *[leaves[i] for i in pos])
             return call.outputs(outs)

@@ -297,6 +297,8 @@ def make_sharded_train_step(
     outside = blocked.outside if blocked is not None else tuple(layout.shapes)
     in_blocks = tuple(n for n in layout.shapes if n not in outside)
     outside_layout = layout.subset(outside)
+    if blocked is not None:  # the blocks' shard gradients arrive as the mean over ranks and
+        blocked.grad_scale = 1.0 / (world * k)  # micro-batches: no whole-shard copy here
 
     def run_model(p: TensorDict, buffers: TensorDict, x: Any) -> Any:
         if blocked is None:
@@ -338,12 +340,12 @@ def make_sharded_train_step(
         # Dynamo cannot delete): the whole-gather step's full params, the last micro-batch's
         # gradients, then the summed gradients and the unclipped shard
         full = g = None  # type: ignore[assignment]
-        if k > 1:
-            grads = {n: t / k for n, t in grads.items()}
-        # the blocks' gradients come back as shards already summed over the ranks
-        shard = outside_layout.reduce_scatter_mean({n: grads[n] for n in outside}) if outside \
-            else {}
-        shard.update({n: grads[n] / world for n in in_blocks})
+        # the blocks' gradients come back as shards, already averaged over ranks and
+        # micro-batches (blocked.grad_scale); the rest are full gradients summed over the
+        # micro-batches
+        shard = outside_layout.reduce_scatter_mean(
+            {n: grads[n] / k if k > 1 else grads[n] for n in outside}) if outside else {}
+        shard.update({n: grads[n] for n in in_blocks})
         shard = {n: shard[n] for n in layout.shapes}
         grads = None  # type: ignore[assignment]
         clipped = ({n: t.clamp(-clip_value, clip_value) for n, t in shard.items()}
