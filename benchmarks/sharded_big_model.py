@@ -22,13 +22,15 @@ rank's padding past the param's end is zero). The numbers are a benchmark's, not
 the shards are drawn per rank, not sliced from one full draw.
 
 Reports per rank: step time (median of the timed steps after ``--warmup``), the losses, and
-``torch.cuda.max_memory_allocated`` -- and, with ``--whole``, whether the whole-gather step
-(``blocks=None``) runs at all (every rank then holds the full params and full gradients:
-~44 GB more, so at the default size it runs out of memory).
+``torch.cuda.max_memory_allocated``. ``--blocks none`` runs the whole-gather step
+(``blocks=None``) instead: every rank then also holds the full params and the full gradient
+(~44 GB more), so at the default size it should run out of memory -- run it on its own, an
+out-of-memory rank ends the job.
 
-GPU (4 x H100 80 GB)::
+GPU (4 x H100 80 GB; the second command is the control, expected to fail with OOM)::
 
-    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py --whole
+    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py
+    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py --blocks none
 
 CPU smoke run (2 gloo processes, a tiny decoder; also checks per-block == whole-gather)::
 
@@ -119,8 +121,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--steps", type=int, default=4, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--whole", action="store_true",
-                    help="then try the whole-gather step (blocks=None) and report OOM")
+    ap.add_argument("--blocks", choices=["auto", "none"], default="auto",
+                    help="none: the whole-gather step (blocks=None), which runs out of memory "
+                         "at the default size (run it on its own: an OOM ends the job)")
     args = ap.parse_args()
     if args.small:
         args.layers, args.d_model, args.heads, args.vocab, args.seq = 3, 32, 4, 97, 16
@@ -175,14 +178,10 @@ def main() -> None:
             out["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
         return out
 
-    results = [run("auto")]
-    if args.whole or args.small:
-        try:
-            results.append(run(None))
-        except torch.OutOfMemoryError as e:
-            results.append({"rank": rank, "blocks": None, "error": f"OutOfMemoryError: {e}"[:300],
-                            "max_memory_allocated_GB": torch.cuda.max_memory_allocated(device)
-                            / 1e9})
+    if args.small:
+        results = [run("auto"), run(None)]
+    else:
+        results = [run("auto" if args.blocks == "auto" else None)]
     if args.small:  # per-block == whole gather on the same shards and batches
         a, b = results[0].pop("params"), results[1].pop("params")
         diff = max(float((a[k] - b[k]).abs().max()) for k in a)

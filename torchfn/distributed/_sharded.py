@@ -276,6 +276,8 @@ def make_sharded_train_step(
         step = make_sharded_train_step(model_fn, loss_fn, opt, layout, max_grad_norm=1.0)
         state, metrics = step(state, (x_local, y_local))
         full = layout.gather(state.params)          # the whole params, on every rank
+        # per-block gathering: model_fn from make_functional(net), net.layers an nn.ModuleList
+        step = make_sharded_train_step(model_fn, loss_fn, opt, layout, blocks="auto")
     """
     where = "make_sharded_train_step"
     for key in unsupported:
