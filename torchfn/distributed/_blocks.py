@@ -25,6 +25,8 @@ import optree
 import torch
 from torch import Tensor, nn
 
+from torchfn.functional import FunctionalModel
+
 TensorDict = dict[str, Tensor]
 
 # a test hook: called with each dict of gathered block params (forward and recompute)
@@ -277,9 +279,8 @@ class BlockedModel:
 def _root_of(model_fn: Any, where: str) -> nn.Module:
     if isinstance(model_fn, nn.Module):
         return model_fn
-    modules = getattr(model_fn, "modules", None)
-    if type(model_fn).__name__ == "FunctionalModel" and callable(modules):
-        return next(iter(modules()))
+    if isinstance(model_fn, FunctionalModel):
+        return next(iter(model_fn.modules()))  # its private copy's root (meta placeholders)
     raise TypeError(f"{where}(model_fn, ..., blocks=...): per-block gathering needs the model's "
                     f"modules: pass an nn.Module or the model_fn of "
                     f"torchfn.functional.make_functional(module), got {type(model_fn).__name__}")

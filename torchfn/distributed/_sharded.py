@@ -7,7 +7,9 @@ Every parameter is flattened and padded to ``W * c`` elements (``c = ceil(numel 
 reduce-scatters it (sum, then ``/ W``; one collective per dtype), and updates its own slice
 through the one step core :func:`torchfn.functional.apply_gradients`. Global-norm clipping and
 the non-finite guard need the whole gradient: one small all-reduce carries the squared norms,
-the loss and the buffers, so every rank clips and skips alike.
+the loss and the buffers, so every rank clips and skips alike. With ``blocks=`` the params of
+each block are gathered only while the block runs and its gradient is reduce-scattered as soon
+as its backward (a recomputation) is done (``_blocks.py``), so no rank holds the whole model.
 """
 
 from __future__ import annotations
