@@ -7,7 +7,9 @@ Every parameter is flattened and padded to ``W * c`` elements (``c = ceil(numel 
 reduce-scatters it (sum, then ``/ W``; one collective per dtype), and updates its own slice
 through the one step core :func:`torchfn.functional.apply_gradients`. Global-norm clipping and
 the non-finite guard need the whole gradient: one small all-reduce carries the squared norms,
-the loss and the buffers, so every rank clips and skips alike.
+the loss and the buffers, so every rank clips and skips alike. With ``blocks=`` the params of
+each block are gathered only while the block runs and its gradient is reduce-scattered as soon
+as its backward (a recomputation) is done (``_blocks.py``), so no rank holds the whole model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _replace
+from torchfn.distributed._blocks import make_blocked_model
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import _group, _materialise, all_reduce_tree
 from torchfn.functional import (
@@ -144,6 +147,11 @@ class ShardLayout:
                 out[k] = part
         return {k: out[k] for k in self.shapes}
 
+    def subset(self, names: list[str] | tuple[str, ...]) -> ShardLayout:
+        """Return the layout of the params ``names`` only (same ranks, same chunks)."""
+        return dataclasses.replace(self, shapes={k: self.shapes[k] for k in names},
+                                   dtypes={k: self.dtypes[k] for k in names})
+
     def check_shards(self, shards: Mapping[str, Tensor], where: str) -> None:
         """Raise ``ValueError`` unless ``shards`` are this layout's flat shards."""
         if list(shards) != list(self.shapes):
@@ -219,6 +227,7 @@ def make_sharded_train_step(
     skip_nonfinite: bool = True,
     sync_buffers: bool = True,
     seed_rng: bool = True,
+    blocks: Any = None,
     **unsupported: Any,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Tensor]]]:
     """Return ``step(state, local_batch) -> (new_state, metrics)`` with sharded params and state.
@@ -237,6 +246,25 @@ def make_sharded_train_step(
       clips by the same factor and skips the same steps.
     - ``sync_buffers`` averages float buffers over the ranks (as the data-parallel step).
     - ``seed_rng`` (eager): rank ``r`` draws its randomness from ``seed + r * 1000003``.
+    - ``blocks`` (per-block gathering, ZeRO-3 / FSDP style; eager only): ``None`` (default)
+      gathers every param at the start of the step, so each rank holds the full params and
+      the full gradient. With ``blocks`` the params of each block (a submodule, e.g. a
+      transformer layer) are all-gathered only while the block runs and dropped after; the
+      backward gathers them again, recomputes the block (its activations are not kept either)
+      and reduce-scatters the block's gradient as soon as its backward is done. Peak memory per
+      rank: the shards with their optimizer state and gradient, the params outside every block
+      (gathered whole, e.g. embeddings and the head), one gathered block (two during a
+      recomputation) and the activations at the block boundaries. ``model_fn`` must then be an
+      ``nn.Module`` or a :func:`torchfn.functional.make_functional` model (the blocks are its
+      submodules; an ``nn.Module`` may live on the ``meta`` device, so the full model is never
+      materialised). ``blocks`` is ``"auto"`` (the children of the ``nn.ModuleList`` holding
+      the most params), a list of submodule names (``["layers.0", "layers.1"]``) or a callable
+      ``(name, module) -> bool`` over ``named_modules()``. Same numbers as ``blocks=None``
+      (float round-off); dropout inside a block replays its random numbers in the
+      recomputation. Refused with a ``ValueError``: a name that is no submodule, overlapping
+      or repeated blocks, a block without params, a param tied across blocks or between a
+      block and the rest, a block whose forward assigns its buffers (BatchNorm in training
+      mode: keep it outside the blocks); ``torch.compile`` of the step raises (eager only).
     - Not supported (``TypeError`` at build time): ``amp``, ``loss_scaler``, ``trainable``,
       ``grad_transform``.
 
@@ -250,6 +278,8 @@ def make_sharded_train_step(
         step = make_sharded_train_step(model_fn, loss_fn, opt, layout, max_grad_norm=1.0)
         state, metrics = step(state, (x_local, y_local))
         full = layout.gather(state.params)          # the whole params, on every rank
+        # per-block gathering: model_fn from make_functional(net), net.layers an nn.ModuleList
+        step = make_sharded_train_step(model_fn, loss_fn, opt, layout, blocks="auto")
     """
     where = "make_sharded_train_step"
     for key in unsupported:
@@ -267,10 +297,24 @@ def make_sharded_train_step(
     core = StepOptions(lr_schedule=lr_schedule, skip_nonfinite=skip_nonfinite, where=where)
     rank, world = world_info(layout.group, where)
     k = grad_accum_steps
+    blocked = make_blocked_model(model_fn, blocks, layout, where) if blocks is not None else None
+    outside = blocked.outside if blocked is not None else tuple(layout.shapes)
+    in_blocks = tuple(n for n in layout.shapes if n not in outside)
+    outside_layout = layout.subset(outside)
+    if blocked is not None:  # the blocks' shard gradients arrive as the mean over ranks and
+        blocked.grad_scale = 1.0 / (world * k)  # micro-batches: no whole-shard copy here
+
+    def run_model(p: TensorDict, buffers: TensorDict, x: Any) -> Any:
+        if blocked is None:
+            return _call(model_fn, p, buffers, x)
+        full, shards = {n: p[n] for n in outside}, {n: p[n] for n in in_blocks}
+        if isinstance(x, Mapping):
+            return blocked(full, shards, buffers, **x)
+        return blocked(full, shards, buffers, x)
 
     def forward_backward(full: TensorDict, buffers: TensorDict, x: Any, y: Any):
         def objective(p: TensorDict) -> tuple[Tensor, TensorDict]:
-            out, new_buffers = _call(model_fn, p, buffers, x)
+            out, new_buffers = run_model(p, buffers, x)
             loss = loss_fn(out, y)
             if not isinstance(loss, Tensor) or loss.ndim != 0:
                 raise ValueError(f"sharded train step: loss_fn(outputs, targets) must return "
@@ -283,7 +327,9 @@ def make_sharded_train_step(
         layout.check_shards(state.params, "sharded train step: state.params")
         if not isinstance(batch, tuple) or len(batch) != 2:
             raise TypeError("sharded train step: batch must be a tuple (inputs, targets)")
-        full = layout.gather(state.params)
+        # per-block: the params outside every block gathered whole, the blocks' stay shards
+        full = outside_layout.gather({n: state.params[n] for n in outside}) if outside else {}
+        full.update({n: state.params[n] for n in in_blocks})
         use_rng = seed_rng and not torch.compiler.is_compiling()
         rng_state = _replace(state, seed=state.seed + _RANK_SALT * rank) if rank else state
         ctx = step_rng(rng_state) if use_rng else contextlib.nullcontext()
@@ -294,9 +340,18 @@ def make_sharded_train_step(
                 grads = g if grads is None else {n: grads[n] + g[n] for n in g}
                 losses.append(loss)
         assert grads is not None
-        if k > 1:
-            grads = {n: t / k for n, t in grads.items()}
-        shard = layout.reduce_scatter_mean(grads)
+        # drop what is no longer needed (rebinding, not del: some are closure cells, which
+        # Dynamo cannot delete): the whole-gather step's full params, the last micro-batch's
+        # gradients, then the summed gradients and the unclipped shard
+        full = g = None  # type: ignore[assignment]
+        # the blocks' gradients come back as shards, already averaged over ranks and
+        # micro-batches (blocked.grad_scale); the rest are full gradients summed over the
+        # micro-batches
+        shard = outside_layout.reduce_scatter_mean(
+            {n: grads[n] / k if k > 1 else grads[n] for n in outside}) if outside else {}
+        shard.update({n: grads[n] for n in in_blocks})
+        shard = {n: shard[n] for n in layout.shapes}
+        grads = None  # type: ignore[assignment]
         clipped = ({n: t.clamp(-clip_value, clip_value) for n, t in shard.items()}
                    if clip_value is not None else shard)
 
@@ -305,6 +360,7 @@ def make_sharded_train_step(
 
         small = {"loss": torch.stack(losses).mean().detach().double(),
                  "sumsq": sumsq(shard), "sumsq_clipped": sumsq(clipped)}
+        shard = None  # type: ignore[assignment]  (clipped is it without clip_value)
         if sync_buffers:
             small.update({f"buffer/{n}": v for n, v in buffers.items()
                           if torch.is_floating_point(v)})

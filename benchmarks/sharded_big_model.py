@@ -1,0 +1,208 @@
+"""A decoder too large for one 80 GB GPU with Adam, trained on 4 GPUs with per-block sharding.
+
+Default size (``--layers 26 --d-model 4096 --vocab 32000``): about 5.5e9 fp32 params, so
+params + gradients + Adam's two moments take about 16 bytes x 5.5e9 = 88 GB unsharded -- more
+than one H100 holds before any activation. With :func:`make_sharded_train_step`
+``(blocks="auto")`` on ``W`` ranks each rank keeps ``1 / W`` of the params, gradients and Adam
+state plus the params outside the blocks (embeddings, final norm, head: gathered whole), one
+gathered decoder layer (~0.8 GB; two while one is recomputed) and the activations at the layer
+boundaries.
+
+Why 4 GPUs and not 2: the step is pure (out-of-place), so at the update a rank holds the old
+state (params + moments, 12 bytes/param), the clipped gradient shard (4), the new moments (8),
+the update (4) and the new params (4): about 32 bytes x P / W at the peak, ~44 GB per rank at
+W = 4 for 5.5e9 params, but ~88 GB at W = 2. (Without in-place updates / buffer donation two
+80 GB cards cannot train a model whose Adam state alone exceeds one card.) The script prints
+this estimate next to the measured ``torch.cuda.max_memory_allocated``.
+
+The model is never materialised on one rank: it is built on the ``meta`` device (shapes only),
+the :class:`ShardLayout` comes from the meta params, and each rank draws its own flat shard of
+every param directly on its device (normal(0, 0.02) weights, zero biases, unit norm gains; a
+rank's padding past the param's end is zero). The numbers are a benchmark's, not a checkpoint's:
+the shards are drawn per rank, not sliced from one full draw.
+
+Reports per rank: step time (median of the timed steps after ``--warmup``), the losses, and
+``torch.cuda.max_memory_allocated``. ``--blocks none`` runs the whole-gather step
+(``blocks=None``) instead: every rank then also holds the full params and the full gradient
+(~44 GB more), so at the default size it should run out of memory -- run it on its own, an
+out-of-memory rank ends the job.
+
+GPU (4 x H100 80 GB; the second command is the control, expected to fail with OOM)::
+
+    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py
+    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py --blocks none
+
+CPU smoke run (2 gloo processes, a tiny decoder; also checks per-block == whole-gather)::
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --small --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from torchfn import distributed as tdist
+from torchfn.functional import init_train_state, make_functional
+from torchfn.optim import adam
+
+
+class Layer(nn.Module):
+    """A pre-LN decoder layer: causal self-attention and a 4x GELU MLP (12 d^2 params)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.down(F.gelu(self.up(self.ln2(h))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.layers = nn.ModuleList(Layer(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.ln(h))
+
+
+def shard_init(layout: tdist.ShardLayout, device: torch.device, seed: int
+               ) -> dict[str, torch.Tensor]:
+    """Return this rank's flat shard of every param, drawn directly (no full tensor)."""
+    out = {}
+    for name, shape in layout.shapes.items():
+        c, valid = layout.chunk(name), layout.valid(name)
+        shard = torch.zeros(c, dtype=layout.dtypes[name], device=device)
+        if name.endswith("bias"):
+            pass
+        elif len(shape) == 1:  # LayerNorm gains
+            shard[:valid] = 1.0
+        else:
+            g = torch.Generator(device=device)
+            g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) * 64 + layout.rank)
+            shard[:valid] = torch.randn(valid, generator=g, device=device,
+                                        dtype=layout.dtypes[name]) * 0.02
+        out[name] = shard
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="a tiny decoder (CPU smoke run)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--layers", type=int, default=26)
+    ap.add_argument("--d-model", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--blocks", choices=["auto", "none"], default="auto",
+                    help="none: the whole-gather step (blocks=None), which runs out of memory "
+                         "at the default size (run it on its own: an OOM ends the job)")
+    args = ap.parse_args()
+    if args.small:
+        args.layers, args.d_model, args.heads, args.vocab, args.seq = 3, 32, 4, 97, 16
+        args.steps, args.warmup = 2, 1
+    info = tdist.init_from_env("gloo" if args.device == "cpu" else None)
+    device, rank, world = info.device, info.rank, info.world_size
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.device("meta"):
+        module = Decoder(args.vocab, args.d_model, args.layers, args.heads, args.seq)
+    model_fn, meta_params, _ = make_functional(module)
+    layout = tdist.ShardLayout.from_params(meta_params)
+    n_params = sum(math.prod(s) for s in layout.shapes.values())
+    opt = adam(1e-4)
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    g = torch.Generator(device=device).manual_seed(1000 + rank)
+    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq), generator=g, device=device),
+                torch.randint(0, args.vocab, (args.batch, args.seq), generator=g,
+                              device=device)) for _ in range(args.warmup + args.steps)]
+
+    def run(blocks: object) -> dict[str, object]:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        if blocks is None:  # whole gather: a plain functional_call of the meta module
+            def fn(p: dict, b: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                return torch.func.functional_call(module, (p, b), (x,)), b
+        else:
+            fn = model_fn
+        step = tdist.make_sharded_train_step(fn, loss_fn, opt, layout, blocks=blocks,
+                                             max_grad_norm=1.0)
+        state = init_train_state(shard_init(layout, device, seed=0), {}, opt, seed=0)
+        times, losses = [], []
+        for i, batch in enumerate(batches):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        out: dict[str, object] = {
+            "rank": rank, "blocks": blocks, "step_s": statistics.median(times),
+            "losses": losses, "params": layout.gather(state.params) if args.small else None}
+        if device.type == "cuda":
+            out["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
+        return out
+
+    if args.small:
+        results = [run("auto"), run(None)]
+    else:
+        results = [run("auto" if args.blocks == "auto" else None)]
+    if args.small:  # per-block == whole gather on the same shards and batches
+        a, b = results[0].pop("params"), results[1].pop("params")
+        diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+        results[0]["max_abs_diff_vs_whole"] = diff
+        if diff > 1e-5:
+            raise SystemExit(f"rank {rank}: per-block and whole-gather params differ by {diff}")
+    for r in results:
+        r.pop("params", None)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, results)
+    if rank == 0:
+        print(json.dumps({
+            "params": n_params, "world": world, "device": str(device.type),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "unsharded_param_grad_adam_GB": 16 * n_params / 1e9,
+            "sharded_state_per_rank_GB": 16 * n_params / world / 1e9,
+            "estimated_update_peak_per_rank_GB": 32 * n_params / world / 1e9,
+            "layers": args.layers, "d_model": args.d_model, "seq": args.seq,
+            "batch_per_rank": args.batch, "ranks": everyone}, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
