@@ -169,6 +169,11 @@ def make_meta_train_step(
         >>> state, metrics = step(state, tasks)
         >>> int(state.step), metrics["loss"].shape
         (1, torch.Size([]))
+        >>> inner = make_meta_train_step(learner, opt, compile="inner",
+        ...                              compile_kwargs={"backend": "eager"})
+        >>> state, metrics = inner(state, tasks)  # compiles the inner step once
+        >>> int(state.step)
+        2
     """
     if not isinstance(learner, MetaLearner):
         raise TypeError(f"make_meta_train_step(learner, ...): expected a MetaLearner, "
