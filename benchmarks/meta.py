@@ -34,7 +34,9 @@ the four of the issue, torchfn compiled as the README recommends for conv nets; 
   the inner step and the query loss each ``torch.compile``d once (compile time flat in the
   inner steps), the outer gradient an eager ``autograd.grad`` through them. Tokens: ``fix``,
   ``gcl``, ``unfold``, ``unfoldall``, ``bench``, ``cl``, ``at`` (``max-autotune-no-cudagraphs``;
-  no ``cg``: there is no one graph to capture) and ``chunkN``, as for ``compiled``.
+  no ``cg``: there is no one graph to capture) and ``chunkN``, as for ``compiled``, and
+  ``eagerquery`` (only the inner step compiled, the query loss eager: is compiling it worth
+  its compile time?).
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
   ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
   (default: this interpreter) so the two frameworks never share a process; skipped with a
@@ -218,7 +220,8 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     tokens, chunk = set(), None
     known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "unfold", "unfoldall"}
              if kind == "compiled" else
-             {"at", "cl", "bench", "fix", "gcl", "unfold", "unfoldall"} if kind == "inner"
+             {"at", "cl", "bench", "fix", "gcl", "unfold", "unfoldall", "eagerquery"}
+             if kind == "inner"
              else {"bench", "unfold", "unfoldall"})
     for tok in rest:
         if tok.startswith("chunk") and tok[5:].isdigit():
@@ -283,6 +286,10 @@ def build_call(kind: str, tokens: set[str], chunk: int | None, mode: str | None,
                               **inductor_options(channels_last="gcl" in tokens)}}
     else:
         kwargs = {"mode": mode}
+    if kind == "inner" and "eagerquery" in tokens:
+        from torchfn.meta._inner_compile import InnerCompiledMetaGrad  # the option's parts
+
+        return InnerCompiledMetaGrad(learner, kwargs, compile_query=False)
     if kind == "inner":
         return make_meta_train_step(learner, sgd(0.1), compile="inner",
                                     compile_kwargs=kwargs).meta_grad
