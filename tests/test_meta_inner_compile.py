@@ -97,16 +97,24 @@ def _loop_meta_grad(kind: str, fn, meta: dict, buffers: dict, tasks: Task, steps
     return dict(zip(leaves, grads, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["maml", "fomaml", "anil", "meta_sgd"])
+# fomaml and anil are marked slow (each ~15-30 s of tracing on 2 shared cores) to keep the
+# file's CI time near a minute; `make test-all` runs them
+@pytest.mark.parametrize("kind", ["maml", pytest.param("fomaml", marks=pytest.mark.slow),
+                                  pytest.param("anil", marks=pytest.mark.slow), "meta_sgd"])
 def test_inner_compiled_step_equals_eager_step_and_per_task_loop(kind):
     fn, params, buffers = make_functional(_net())
-    learner = _learner(kind, fn)
+    learner = _learner(kind, fn, chunk_size=1)
     opt = adam(1e-2)
-    state_c = state_e = init_meta_state(learner, params, buffers, opt)
+    # two micro-batches of two tasks, each two chunks of one; MAML also with a frozen param
+    kw = {"max_grad_norm": 1.0, "grad_accum_steps": 2}
+    if kind == "maml":
+        kw["trainable"] = [k for k in params if k != "5.bias"]
+    state_c = state_e = init_meta_state(learner, params, buffers, opt,
+                                        trainable=kw.get("trainable"))
     counter = CompileCounterWithBackend("aot_eager")
-    step_c = make_meta_train_step(learner, opt, max_grad_norm=1.0, compile="inner",
-                                  compile_kwargs={"backend": counter})
-    step_e = make_meta_train_step(learner, opt, max_grad_norm=1.0)
+    step_c = make_meta_train_step(learner, opt, compile="inner",
+                                  compile_kwargs={"backend": counter}, **kw)
+    step_e = make_meta_train_step(learner, opt, **kw)
     tasks0 = _tasks(0)
     # the meta-gradient itself, against the eager torch.func path and a per-task loop
     g_c, loss_c, bufs_c = step_c.meta_grad(state_c.params, state_c.buffers, tasks0)
@@ -129,6 +137,8 @@ def test_inner_compiled_step_equals_eager_step_and_per_task_loop(kind):
             frames = counter.frame_count
     assert counter.frame_count == frames, "the inner-compiled step recompiled between steps"
     assert not torch.equal(state_c.buffers["1.running_mean"], buffers["1.running_mean"])
+    if kind == "maml":
+        assert torch.equal(state_c.params["5.bias"], params["5.bias"])
 
 
 def _compiled(steps: int) -> tuple[int, int]:
@@ -150,23 +160,6 @@ def test_compiled_graphs_do_not_grow_with_inner_steps():
     frames, ops = _compiled(1)
     assert (frames, ops) == _compiled(4)
     assert frames >= 3  # the inner step, the query loss, the outer update
-
-
-def test_grad_accum_and_frozen_params_equal_eager():
-    fn, params, buffers = make_functional(_net())
-    learner = _learner("maml", fn, chunk_size=None)
-    opt = sgd(0.1)
-    trainable = [k for k in params if k != "0.bias"]
-    kw = {"grad_accum_steps": 2, "trainable": trainable}
-    state = init_meta_state(learner, params, buffers, opt, trainable=trainable)
-    step_c = make_meta_train_step(learner, opt, compile="inner",
-                                  compile_kwargs={"backend": "aot_eager"}, **kw)
-    s_c, m_c = step_c(state, _tasks(0))
-    s_e, m_e = make_meta_train_step(learner, opt, **kw)(state, _tasks(0))
-    torch.testing.assert_close(m_c["loss"], m_e["loss"], rtol=1e-12, atol=1e-14)
-    _close(s_c.params, s_e.params)
-    _close(s_c.buffers, s_e.buffers)
-    assert torch.equal(s_c.params["0.bias"], params["0.bias"])
 
 
 def _inductor_equals_eager(device: str) -> None:
