@@ -97,10 +97,7 @@ def _loop_meta_grad(kind: str, fn, meta: dict, buffers: dict, tasks: Task, steps
     return dict(zip(leaves, grads, strict=True))
 
 
-# fomaml and anil are marked slow (each ~15-30 s of tracing on 2 shared cores) to keep the
-# file's CI time near a minute; `make test-all` runs them
-@pytest.mark.parametrize("kind", ["maml", pytest.param("fomaml", marks=pytest.mark.slow),
-                                  pytest.param("anil", marks=pytest.mark.slow), "meta_sgd"])
+@pytest.mark.parametrize("kind", ["maml", "fomaml", "anil", "meta_sgd"])
 def test_inner_compiled_step_equals_eager_step_and_per_task_loop(kind):
     fn, params, buffers = make_functional(_net())
     learner = _learner(kind, fn, chunk_size=1)
