@@ -30,6 +30,13 @@ the four of the issue, torchfn compiled as the README recommends for conv nets; 
   one too: no convolution left), ``chunkN`` (tasks in chunks of N). E.g.
   ``compiled-cg-fix-bench``, ``compiled-fix-unfold``. ``eager-chunkN``/``eager-bench``/
   ``eager-unfold`` work too.
+- ``inner[-TOKEN...]``: ``make_meta_train_step(learner, sgd, compile="inner").meta_grad``:
+  the inner step and the query loss each ``torch.compile``d once (compile time flat in the
+  inner steps), the outer gradient an eager ``autograd.grad`` through them. Tokens: ``fix``,
+  ``gcl``, ``unfold``, ``unfoldall``, ``bench``, ``cl``, ``at`` (``max-autotune-no-cudagraphs``;
+  no ``cg``: there is no one graph to capture) and ``chunkN``, as for ``compiled``, and
+  ``eagerquery`` (only the inner step compiled, the query loss eager: is compiling it worth
+  its compile time?).
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
   ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
   (default: this interpreter) so the two frameworks never share a process; skipped with a
@@ -38,11 +45,20 @@ the four of the issue, torchfn compiled as the README recommends for conv nets; 
 Precision is equal on both sides: ``--precision highest`` (default) turns TF32 off in torch
 (matmul and cuDNN) and sets JAX's default matmul/conv precision to 'highest'; ``tf32`` allows
 TF32 on both. The TF32 state is printed. ``--small`` shrinks everything for a CPU smoke test;
-``--out results.json`` writes JSON.
+``--out results.json`` writes JSON. ``--inner-steps K`` overrides the 5 inner steps (compile
+time grows with K for ``compiled``, not for ``inner``).
+
+``--warm-start`` (``compiled`` and ``inner`` variants): after the in-process timing, run the
+variant twice more, each in a fresh Python process with ``torchfn.compile.enable_compile_cache``
+pointed at one new directory: the first fills the cache (a cold start), the second is the warm
+start. Each reports ``start_to_first_step_s`` (from just before the process is spawned to the
+end of its first synchronized meta-gradient: interpreter, imports, model, Dynamo, cache loads or
+compiles), its ``first_call_s`` and its ``peak_bytes`` (CUDA peak of the first call).
 
     python benchmarks/meta.py --out benchmarks/results/meta-h100.json
     python benchmarks/meta.py --variants compiled-cg,compiled-cg-fix-cl,compiled-cg-fix-bench,jax
     python benchmarks/meta.py --variants compiled,compiled-fix --repeats 3 --profile
+    python benchmarks/meta.py --variants compiled-fix-unfoldall,inner-fix-unfoldall,jax --warm-start
 """
 
 from __future__ import annotations
@@ -55,6 +71,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -64,9 +81,10 @@ from _bench import sync, time_calls
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from torchfn.compile import inductor_options, unfold_convs
+from torchfn.compile import enable_compile_cache, inductor_options, unfold_convs
 from torchfn.functional import make_functional
-from torchfn.meta import Task, maml
+from torchfn.meta import Task, make_meta_train_step, maml
+from torchfn.optim import sgd
 
 EPS = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -196,11 +214,15 @@ def variant_settings(tokens: set[str]) -> Iterator[None]:
 def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     """Return ``(kind, tokens, chunk_size, compile mode)`` of a variant name; raise if unknown."""
     kind, *rest = name.split("-")
-    if kind not in ("loop", "eager", "compiled", "jax") or (kind in ("loop", "jax") and rest):
+    if (kind not in ("loop", "eager", "compiled", "inner", "jax")
+            or (kind in ("loop", "jax") and rest)):
         raise SystemExit(f"meta.py --variants: unknown variant {name!r} (see --help)")
     tokens, chunk = set(), None
     known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "unfold", "unfoldall"}
-             if kind == "compiled" else {"bench", "unfold", "unfoldall"})
+             if kind == "compiled" else
+             {"at", "cl", "bench", "fix", "gcl", "unfold", "unfoldall", "eagerquery"}
+             if kind == "inner"
+             else {"bench", "unfold", "unfoldall"})
     for tok in rest:
         if tok.startswith("chunk") and tok[5:].isdigit():
             chunk = int(tok[5:])
@@ -244,6 +266,105 @@ def run_jax(python: str, module: nn.Module, tasks: Task, cfg: dict, inner_lr: fl
             "device": str(out["device"]), "jax": str(out["jax_version"]), "grads": grads}
 
 
+UNFOLD_MIN_PATCH = {"unfold": 64, "unfoldall": 1}  # layers 2-4 / all four as unfold + matmul
+
+
+def build_call(kind: str, tokens: set[str], chunk: int | None, mode: str | None,
+               module: nn.Module, model_fn: Callable, cfg: dict, inner_lr: float
+               ) -> Callable[..., tuple]:
+    """Return the meta-gradient function ``call(params, buffers, tasks)`` of an eager,
+    ``compiled`` or ``inner`` variant."""
+    tok = next(iter(tokens & UNFOLD_MIN_PATCH.keys()), None)  # one at most
+    net_fn = model_fn if tok is None else make_functional(
+        unfold_convs(module, min_patch=UNFOLD_MIN_PATCH[tok]))[0]
+    learner = maml(net_fn, F.cross_entropy, inner_lr=inner_lr, inner_steps=cfg["steps"],
+                   chunk_size=chunk)
+    if kind == "eager":
+        return learner.meta_grad
+    if "fix" in tokens or "gcl" in tokens:  # compile takes a mode or options, not both
+        kwargs = {"options": {**(torch._inductor.list_mode_options(mode) if mode else {}),
+                              **inductor_options(channels_last="gcl" in tokens)}}
+    else:
+        kwargs = {"mode": mode}
+    if kind == "inner" and "eagerquery" in tokens:
+        from torchfn.meta._inner_compile import InnerCompiledMetaGrad  # the option's parts
+
+        return InnerCompiledMetaGrad(learner, kwargs, compile_query=False)
+    if kind == "inner":
+        return make_meta_train_step(learner, sgd(0.1), compile="inner",
+                                    compile_kwargs=kwargs).meta_grad
+    return torch.compile(learner.meta_grad, fullgraph=True, **kwargs)
+
+
+def setup(args: argparse.Namespace) -> tuple:
+    """Return ``(device, dtype, cfg, module, tasks, model_fn, params, buffers)``, seeded."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    tf32 = args.precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    cfg = dict(channels=64, n_tasks=32, n_way=5, k_shot=1, n_query=15, size=28, steps=5)
+    if args.small:
+        cfg.update(channels=8, n_tasks=4, n_query=3, size=16, steps=2)
+    if args.inner_steps is not None:
+        cfg.update(steps=args.inner_steps)
+    torch.manual_seed(0)
+    module = conv_net(cfg["channels"], cfg["n_way"], cfg["size"]).to(device, dtype)
+    tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"],
+                       cfg["size"], device, dtype)
+    model_fn, params, buffers = make_functional(module)
+    return device, dtype, cfg, module, tasks, model_fn, params, buffers
+
+
+def child_first_step(args: argparse.Namespace) -> None:
+    """``--child``: one variant's first meta-gradient in this fresh process, with the compile
+    cache in ``--cache-dir``; print the wall-clock time it finished and what it took."""
+    enable_compile_cache(args.cache_dir)
+    kind, tokens, chunk, mode = parse_variant(args.child)
+    device, _, cfg, module, tasks, model_fn, params, buffers = setup(args)
+    with variant_settings(tokens):
+        call = build_call(kind, tokens, chunk, mode, module, model_fn, cfg, 0.01)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        if mode in ("reduce-overhead", "max-autotune"):
+            torch.compiler.cudagraph_mark_step_begin()
+        call(params, buffers, tasks)
+        sync(device)
+        done = time.time()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    print("CHILD " + json.dumps({"done_unix_s": done, "first_call_s": time.perf_counter() - t0,
+                                 "peak_bytes": peak}), flush=True)
+
+
+def warm_start(args: argparse.Namespace, name: str) -> dict:
+    """Return ``{"cold": rec, "warm": rec}``: the variant's first step in two fresh processes
+    sharing one new compile cache directory (the first fills it)."""
+    out: dict = {}
+    cache = tempfile.mkdtemp(prefix="torchfn-meta-cache-")
+    argv = [sys.executable, os.path.abspath(__file__), "--child", name, "--cache-dir", cache,
+            "--dtype", args.dtype, "--precision", args.precision]
+    argv += ["--small"] if args.small else []
+    argv += [] if args.inner_steps is None else ["--inner-steps", str(args.inner_steps)]
+    for label in ("cold", "warm"):
+        start = time.time()
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
+        if proc.returncode != 0 or not lines:
+            out[label] = {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+            print(f"{name:26s} {label} start failed: {out[label]['error']}", flush=True)
+            continue
+        rec = json.loads(lines[-1][6:])
+        rec["start_to_first_step_s"] = rec.pop("done_unix_s") - start
+        out[label] = rec
+        peak = rec["peak_bytes"]
+        print(f"{name:26s} {label} start: process start to first step "
+              f"{rec['start_to_first_step_s']:7.1f} s (first call {rec['first_call_s']:7.1f} s"
+              f", peak {'-' if peak is None else f'{peak / 2**20:.0f} MiB'})", flush=True)
+    out["cache_dir"] = cache
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,38 +374,32 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--precision", default="highest", choices=["highest", "tf32"])
     ap.add_argument("--variants", default="loop,eager,compiled-unfold,jax")
+    ap.add_argument("--inner-steps", type=int, default=None, help="inner steps (default 5)")
+    ap.add_argument("--warm-start", action="store_true",
+                    help="also time process start to first step, cold and warm compile cache, "
+                         "for compiled and inner variants (two fresh processes each)")
     ap.add_argument("--jax-python", default=sys.executable,
                     help="interpreter for the JAX twin (needs numpy and jax)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="after timing each torch variant, profile 2 calls and print the top "
                          "kernels by device time (to see where the time goes)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # --warm-start's child: a variant
+    ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        child_first_step(args)
+        return
     if args.warmup < 1:
         ap.error(f"--warmup: expected >= 1, got {args.warmup}")
     variants = [(*parse_variant(v), v) for v in args.variants.split(",") if v]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
-    tf32 = args.precision == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    device, _, cfg, module, tasks, model_fn, params, buffers = setup(args)
     print(f"torch {torch.__version__} on {device}"
           f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
           f"{args.dtype}, TF32: matmul={torch.backends.cuda.matmul.allow_tf32} "
           f"cudnn={torch.backends.cudnn.allow_tf32}")
-    cfg = dict(channels=64, n_tasks=32, n_way=5, k_shot=1, n_query=15, size=28, steps=5)
-    if args.small:
-        cfg.update(channels=8, n_tasks=4, n_query=3, size=16, steps=2)
     print("config:", cfg)
     inner_lr = 0.01
-    torch.manual_seed(0)
-    module = conv_net(cfg["channels"], cfg["n_way"], cfg["size"]).to(device, dtype)
-    tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"],
-                       cfg["size"], device, dtype)
-    model_fn, params, buffers = make_functional(module)
-    # the "unfold" token: layers 2-4 as unfold + matmul (same parameter names and values);
-    # "unfoldall": all four, the 1-channel first layer too
-    unfold_min_patch = {"unfold": 64, "unfoldall": 1}
     results: dict = {"config": cfg, "device": str(device), "dtype": args.dtype,
                      "precision": args.precision, "torch": torch.__version__,
                      "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
@@ -327,20 +442,7 @@ def main() -> None:
                 def fn() -> dict[str, Tensor]:
                     return loop_meta_grad(ref_module, tasks, inner_lr, cfg["steps"])
             else:
-                tok = next(iter(tokens & unfold_min_patch.keys()), None)  # one at most
-                net_fn = model_fn if tok is None else make_functional(
-                    unfold_convs(module, min_patch=unfold_min_patch[tok]))[0]
-                learner = maml(net_fn, F.cross_entropy, inner_lr=inner_lr,
-                               inner_steps=cfg["steps"], chunk_size=chunk)
-                call = learner.meta_grad
-                if kind == "compiled":
-                    if "fix" in tokens:  # compile takes a mode or options, not both
-                        options = {**(torch._inductor.list_mode_options(mode) if mode
-                                      else {}),
-                               **inductor_options(channels_last="gcl" in tokens)}
-                        call = torch.compile(learner.meta_grad, fullgraph=True, options=options)
-                    else:
-                        call = torch.compile(learner.meta_grad, fullgraph=True, mode=mode)
+                call = build_call(kind, tokens, chunk, mode, module, model_fn, cfg, inner_lr)
 
                 def fn(call=call) -> dict[str, Tensor]:
                     return call(params, buffers, tasks)[0]
@@ -351,6 +453,9 @@ def main() -> None:
         rec["max_rel_diff_vs_eager"] = max_rel_diff(grads, reference)
         results["runs"][name] = rec
         report(name, rec)
+        if args.warm_start and kind in ("compiled", "inner"):
+            save()
+            rec["fresh_process"] = warm_start(args, name)
     save()
 
 

@@ -21,10 +21,16 @@ Designs (``--designs``):
   ``torch.autograd.grad`` traced into the graph. Fullgraph.
 - ``region-module``: ``region`` with the ``make_functional`` model (fails in torch 2.13: the
   model call swaps module slots, a side effect inside the region; the row shows the error).
-- ``inner``: no outer compile: the vmapped inner step alone is ``torch.compile``d (compiled
-  once, called ``inner_steps`` times from Python), the query loss and the outer
-  ``torch.autograd.grad`` run eagerly through the compiled steps' backward. Works with the
+- ``inner``: the library's ``make_meta_train_step(learner, opt, compile="inner").meta_grad``:
+  no outer compile; the vmapped inner step is ``torch.compile``d (compiled once, called
+  ``inner_steps`` times from Python) and so is the query loss; the outer
+  ``torch.autograd.grad`` runs eagerly through the compiled calls' backward. Works with the
   ``make_functional`` model; not one graph.
+- ``inner-noquery``: ``inner`` with the query loss eager (only the inner step compiled).
+- ``inner-step``: the whole train step ``make_meta_train_step(learner, adam(1e-3),
+  max_grad_norm=1.0, compile="inner")`` (the outer update compiled as a graph of its own);
+  ``max|diff|`` is then that of the updated params from the eager step's.
+- ``inner-step-eagerupdate``: ``inner-step`` with the outer update (clipping + adam) eager.
 
     python benchmarks/meta_compile_time.py                       # the default grid
     python benchmarks/meta_compile_time.py --designs unrolled,region --steps 1,8 --algos maml
@@ -43,7 +49,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DESIGNS = ("unrolled", "unrolled-pure", "region", "region-module", "inner")
+DESIGNS = ("unrolled", "unrolled-pure", "region", "region-module", "inner", "inner-noquery",
+           "inner-step", "inner-step-eagerupdate")
 EPS = 1e-5
 
 
@@ -96,9 +103,10 @@ def run_one(cfg: dict) -> dict:
     sys.path.insert(0, HERE)
     from meta import make_tasks
 
-    from torchfn.functional import make_functional
-    from torchfn.meta import _regions, fomaml, maml
-    from torchfn.meta._regions import make_region_step, region_chunk_grad
+    from torchfn.functional import StepOptions, apply_gradients, make_functional
+    from torchfn.meta import _regions, fomaml, init_meta_state, make_meta_train_step, maml
+    from torchfn.meta._inner_compile import InnerCompiledMetaGrad
+    from torchfn.optim import adam, sgd
 
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -116,17 +124,33 @@ def run_one(cfg: dict) -> dict:
                    compile_regions=design.startswith("region"))
     ref, _, _ = learner.meta_grad(params, buffers, tasks)  # eager torch.func path
 
-    if design == "inner":
-        plain = make_region_step(learner.model_fn, learner.loss_fn, learner.inner_opt,
-                                 model_names=learner._model_names,
-                                 first_order=learner.first_order, lr_prefix=None,
-                                 randomness=learner.randomness)
-        learner._region_step = torch.compile(plain, fullgraph=True, backend=cfg["backend"])
-        names = list(params)
+    kw = {"backend": cfg["backend"]}
+    if design in ("inner", "inner-noquery"):
+        meta_grad = (make_meta_train_step(learner, sgd(0.1), compile="inner",
+                                          compile_kwargs=kw).meta_grad
+                     if design == "inner" else
+                     InnerCompiledMetaGrad(learner, kw, compile_query=False))
 
         def call():
-            g, _, _ = region_chunk_grad(learner, params, buffers, tasks, names, None)
-            return {k: v / cfg["tasks"] for k, v in g.items()}
+            return meta_grad(params, buffers, tasks)[0]
+    elif design.startswith("inner-step"):
+        opt = adam(1e-3)
+        state = init_meta_state(learner, params, buffers, opt)
+        eager_step = make_meta_train_step(learner, opt, max_grad_norm=1.0)
+        ref = eager_step(state, tasks)[0].params
+        if design == "inner-step":
+            step = make_meta_train_step(learner, opt, max_grad_norm=1.0, compile="inner",
+                                        compile_kwargs=kw)
+        else:
+            meta_grad = InnerCompiledMetaGrad(learner, kw)
+            options = StepOptions(max_grad_norm=1.0, where="benchmark")
+
+            def step(st, t):
+                g, loss, bufs = meta_grad(st.params, st.buffers, t)
+                return apply_gradients(opt, g, st, options=options, loss=loss, buffers=bufs)
+
+        def call():
+            return step(state, tasks)[0].params
     else:
         torch._dynamo.config.trace_autograd_ops = design.startswith("region")
         compiled = torch.compile(learner.meta_grad, fullgraph=True, backend=cfg["backend"])
@@ -156,7 +180,7 @@ def run_one(cfg: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--designs", default="unrolled,unrolled-pure,region,inner")
+    ap.add_argument("--designs", default="unrolled,unrolled-pure,region,inner,inner-step")
     ap.add_argument("--algos", default="maml,fomaml")
     ap.add_argument("--steps", default="1,2,4,8")
     ap.add_argument("--channels", type=int, default=8)

@@ -104,7 +104,10 @@ class MetaLearner:
     calls ignore it. In torch 2.13 second order through the region is refused (``ValueError``):
     exact under ``backend="aot_eager"``, but Inductor miscompiles it for conv nets once the
     region runs twice (``benchmarks/results/meta-compile-time-cpu.md``), so only first-order
-    MAML takes ``compile_regions=True``.
+    MAML takes ``compile_regions=True``. For a compile time flat in ``inner_steps`` with any of
+    MAML, first-order MAML, ANIL and Meta-SGD (second order exact, ``make_functional`` models
+    included), build the train step with
+    ``make_meta_train_step(learner, optimizer, compile="inner")``.
 
     Speed, for conv nets compiled on CUDA: build ``model_fn`` from
     :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs

@@ -117,6 +117,20 @@ def make_region_step(
     return chunk_step
 
 
+def make_region_query(learner: Any) -> Callable[..., Any]:
+    """Return ``query(fast, fixed, bufs, query_x, query_y) -> (loss_t, new_bufs)``: each task's
+    query loss at its adapted params (``fast``, ``bufs``, ``query_x``, ``query_y`` with the
+    task dim 0, ``loss_t`` of shape ``(T,)``; ``fixed``, the meta-params, has none)."""
+
+    def one_task(f: TensorDict, fx: TensorDict, b: TensorDict, x: Any, y: Any) -> tuple[
+            Tensor, TensorDict]:
+        params = {k: f[k] if k in f else fx[k] for k in learner._model_names(fx)}
+        out, new_b = _call_model(learner.model_fn, params, b, x, "meta-learner (query_x)")
+        return learner.loss_fn(out, y), new_b
+
+    return vmap(one_task, in_dims=(0, None, 0, 0, 0), randomness=learner.randomness)
+
+
 def region_chunk_grad(
     learner: Any,
     meta_params: Mapping[str, Tensor],
@@ -124,10 +138,17 @@ def region_chunk_grad(
     chunk: Any,
     names: list[str],
     loss_scale: Tensor | None,
+    *,
+    step: Callable[..., Any] | None = None,
+    query: Callable[..., Any] | None = None,
 ) -> tuple[TensorDict, Tensor, TensorDict]:
     """Return ``(sum over the chunk's tasks of the meta-gradient of names, summed query loss,
     per-task buffers)``: the inner loop as ``inner_steps`` calls of the region step and the
-    outer gradient by ``torch.autograd.grad`` (equal to the ``torch.func`` path)."""
+    outer gradient by ``torch.autograd.grad`` (equal to the ``torch.func`` path).
+
+    ``step`` (default ``learner._region_step``) is the inner step of the chunk and ``query``
+    (default :func:`make_region_query`'s) the per-task query loss; ``compile="inner"`` of the
+    meta train step passes ``torch.compile``d ones."""
     n = chunk.support_x.shape[0] if isinstance(chunk.support_x, Tensor) else \
         optree.tree_leaves(chunk.support_x)[0].shape[0]
     adapted = learner.adapted_names(meta_params)
@@ -138,17 +159,12 @@ def region_chunk_grad(
         fast = {k: meta[k].expand(n, *meta[k].shape).contiguous() for k in adapted}
         bufs = {k: b.expand(n, *b.shape).contiguous() for k, b in buffers.items()}
         state = vmap(learner.inner_opt.init)(fast)
-        step = learner._region_step
+        step = learner._region_step if step is None else step
         for _ in range(learner.inner_steps):
             fast, state, bufs = step(fast, fixed, state, bufs, chunk.support_x, chunk.support_y)
-
-        def query(f: TensorDict, b: TensorDict, x: Any, y: Any) -> tuple[Tensor, TensorDict]:
-            params = {k: f[k] if k in f else fixed[k] for k in learner._model_names(meta)}
-            out, new_b = _call_model(learner.model_fn, params, b, x, "meta-learner (query_x)")
-            return learner.loss_fn(out, y), new_b
-
-        loss_t, out_bufs = vmap(query, randomness=learner.randomness)(
-            _canonical_grads(fast), bufs, chunk.query_x, chunk.query_y)
+        query = make_region_query(learner) if query is None else query
+        loss_t, out_bufs = query(_canonical_grads(fast), fixed, bufs, chunk.query_x,
+                                 chunk.query_y)
         loss = scaled = loss_t.sum()
         if loss_scale is not None:
             loss = loss.to(torch.promote_types(loss.dtype, torch.float32))

@@ -22,6 +22,12 @@ from torchfn.functional import (
     split_batch,
     step_rng,
 )
+from torchfn.meta._inner_compile import (
+    COMPILE_MODES,
+    InnerCompiledMetaGrad,
+    check_inner_compile,
+    make_outer_update,
+)
 from torchfn.meta._maml import MetaLearner
 from torchfn.meta._tasks import Task
 
@@ -97,6 +103,8 @@ def make_meta_train_step(
     skip_nonfinite: bool = True,
     grad_transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
     seed_rng: bool = True,
+    compile: str | None = None,
+    compile_kwargs: Mapping[str, Any] | None = None,
 ) -> Callable[[TrainState, Task], tuple[TrainState, dict[str, Tensor]]]:
     """Return ``step(state, tasks) -> (new_state, metrics)``: one outer update.
 
@@ -130,6 +138,25 @@ def make_meta_train_step(
     ``lr`` and ``loss_scale`` when asked. It is pure, does no host syncs and compiles with
     ``torch.compile(step, fullgraph=True)`` without recompiling between steps (same shapes).
 
+    ``compile``: ``None`` (default) returns the plain step above, for you to compile whole
+    (one graph; the inner loop is unrolled in it, so compile time grows with
+    ``learner.inner_steps``). ``"inner"`` returns a step that compiles its own parts, each
+    once whatever ``inner_steps`` is: the inner step of a task chunk (called ``inner_steps``
+    times from Python), the query loss and the outer update; the meta-gradient is an eager
+    ``torch.autograd.grad`` through the compiled calls' backwards, exact for second order
+    (each compiled inner step's backward holds its Hessian-vector products). Same numbers as
+    the eager step; compile time flat in ``inner_steps``; the price is Python between the
+    calls (no single graph, so no CUDA graph of the whole step). Call it eagerly (under
+    ``torch.compile`` it raises ``RuntimeError``); ``compile_kwargs`` go to each
+    ``torch.compile`` (e.g. ``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``;
+    ``fullgraph=True`` unless given). It fits :func:`maml`, :func:`fomaml`, :func:`anil`,
+    :func:`meta_sgd` (``chunk_size`` and BatchNorm buffers included) and refuses with
+    ``ValueError`` Reptile, MAML++, iMAML, ``remat=True``, ``compile_regions=True``,
+    ``randomness`` other than ``"error"`` and ``amp``. With the compile cache of
+    :func:`torchfn.compile.enable_compile_cache`, a new process loads the three graphs instead
+    of building them. Either way ``step.meta_grad`` is the meta-gradient function the step
+    calls (``learner.meta_grad``, or the one with the compiled inner step).
+
     Example:
         >>> import torch, torch.nn.functional as F
         >>> from torchfn.optim import adam
@@ -142,6 +169,11 @@ def make_meta_train_step(
         >>> state, metrics = step(state, tasks)
         >>> int(state.step), metrics["loss"].shape
         (1, torch.Size([]))
+        >>> inner = make_meta_train_step(learner, opt, compile="inner",
+        ...                              compile_kwargs={"backend": "eager"})
+        >>> state, metrics = inner(state, tasks)  # compiles the inner step once
+        >>> int(state.step)
+        2
     """
     if not isinstance(learner, MetaLearner):
         raise TypeError(f"make_meta_train_step(learner, ...): expected a MetaLearner, "
@@ -151,8 +183,27 @@ def make_meta_train_step(
                           grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
                           clip_value=clip_value, lr_schedule=lr_schedule,
                           skip_nonfinite=skip_nonfinite, where="make_meta_train_step")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"make_meta_train_step(compile=...): expected one of "
+                         f"{list(COMPILE_MODES)}, got {compile!r}")
+    if compile_kwargs is not None and compile is None:
+        raise ValueError("make_meta_train_step(compile_kwargs=...): only used with "
+                         "compile='inner'; with compile=None pass them to torch.compile(step)")
     frozen = _frozen(learner)
     k = grad_accum_steps
+    meta_grad: Callable[..., tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]]
+    if compile == "inner":
+        check_inner_compile(learner, amp=amp, where="make_meta_train_step")
+        meta_grad = InnerCompiledMetaGrad(learner, compile_kwargs)
+    else:
+        meta_grad = learner.meta_grad
+
+    def update(grads: dict[str, Tensor], state: TrainState, names: list[str], loss: Tensor,
+               buffers: dict[str, Tensor]) -> tuple[TrainState, dict[str, Any]]:
+        return apply_gradients(optimizer, grads, state, options=options, trainable=names,
+                               loss=loss, buffers=buffers, where="meta train step")
+
+    outer = make_outer_update(update, compile_kwargs) if compile == "inner" else update
 
     def step(state: TrainState, tasks: Task) -> tuple[TrainState, dict[str, Any]]:
         names = options.trainable_names(state.params, frozen)
@@ -166,8 +217,8 @@ def make_meta_train_step(
         with step_rng(state) if use_rng else contextlib.nullcontext():
             for part in split_batch(tasks, k, "meta train step(state, tasks)"):
                 with options.autocast(device_type):
-                    g, loss, buffers = learner.meta_grad(state.params, state.buffers, part,
-                                                         wrt=names, loss_scale=scale)
+                    g, loss, buffers = meta_grad(state.params, state.buffers, part,
+                                                 wrt=names, loss_scale=scale)
                 grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
                 losses.append(loss)
                 bufs.append(buffers)
@@ -179,7 +230,7 @@ def make_meta_train_step(
         if grad_transform is not None:
             grads = grad_transform(grads)
         with _part("torchfn.apply_gradients"):
-            return apply_gradients(optimizer, grads, state, options=options, trainable=names,
-                                   loss=loss, buffers=buffers, where="meta train step")
+            return outer(grads, state, names, loss, buffers)
 
+    step.meta_grad = meta_grad  # type: ignore[attr-defined]
     return step

@@ -1,0 +1,147 @@
+"""The meta-gradient with only the inner step compiled: ``make_meta_train_step(compile="inner")``.
+
+``torch.compile(step, fullgraph=True)`` of a meta train step unrolls the inner loop: Dynamo,
+AOTAutograd and Inductor see ``inner_steps`` copies of the inner step (its forward, backward and
+second-order backward), so compile time grows with ``inner_steps``. Here three small functions
+are compiled, each once, whatever ``inner_steps`` is:
+
+- the inner step of a task chunk (``vmap`` over tasks of support forward, ``torch.func.grad``,
+  inner optimizer update; ``_regions.make_region_step``), called ``inner_steps`` times from
+  Python;
+- the query loss of the chunk at the adapted params;
+- the outer update (``apply_gradients``: clipping, the optimizer, the non-finite guard).
+
+The outer gradient is an eager ``torch.autograd.grad`` from the query loss back to leaf copies
+of the meta-params, through the AOTAutograd backward of each compiled call. That backward is a
+single backward of a compiled function -- for a second-order learner it holds the
+Hessian-vector products of the inner step -- so no compiled function is differentiated twice,
+and the numbers are those of the ``torch.func`` path. The cost is Python between the calls
+(no one graph, no CUDA graph over the whole step).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchfn._checks import _call_translated, _compile_kwargs
+from torchfn.meta._maml import LR_PREFIX, MetaLearner
+from torchfn.meta._regions import make_region_query, make_region_step, region_chunk_grad
+from torchfn.meta._tasks import Task, check_task_batch, n_tasks
+
+__all__: list[str] = []
+
+TensorDict = dict[str, Tensor]
+COMPILE_MODES = (None, "inner")
+_NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+
+
+def check_inner_compile(learner: MetaLearner, *, amp: str | None, where: str) -> None:
+    """Raise unless ``learner`` (and the step's ``amp``) fit ``compile="inner"``."""
+    call = f"{where}(learner={learner!r}, compile='inner')"
+    if type(learner).meta_grad is not MetaLearner.meta_grad:
+        raise ValueError(
+            f"{call}: compile='inner' compiles the inner step of MAML, first-order MAML, ANIL "
+            f"and Meta-SGD (maml, fomaml, anil, meta_sgd); a {type(learner).__name__} computes "
+            "its meta-gradient its own way (MAML++: per-step BatchNorm and multi-step loss; "
+            "iMAML: an implicit gradient), so it does not fit; use compile=None and "
+            "torch.compile the whole step"
+        )
+    refusals = [
+        (learner.reptile, "reptile=True",
+         "Reptile has no outer gradient through the inner loop"),
+        (learner.remat, "remat=True",
+         "remat walks the inner loop backwards by hand and cannot go through compiled steps; "
+         "compile='inner' keeps each compiled step's saved activations like remat=False"),
+        (learner.compile_regions, "compile_regions=True",
+         "compile_regions is the other way to compile the inner step once; pick one"),
+        (learner.randomness != "error", f"randomness={learner.randomness!r}",
+         "random ops inside the compiled inner step are not checked against the eager draws"),
+        (amp is not None, f"amp={amp!r}",
+         "mixed precision through the compiled inner steps is not checked yet"),
+    ]
+    for bad, what, why in refusals:
+        if bad:
+            raise ValueError(f"{call} with {what}: {why}; use compile=None (then "
+                             "torch.compile the whole step) or drop " + what.split("=")[0])
+
+
+class InnerCompiledMetaGrad:
+    """``meta_grad(meta_params, buffers, tasks, *, wrt=None, loss_scale=None)`` of ``learner``
+    with its inner step and its query loss each ``torch.compile``d once (module docstring).
+
+    Returns what :meth:`MetaLearner.meta_grad` returns, with the same numbers. Call it eagerly,
+    not under ``torch.compile``. ``compile_kwargs`` go to each ``torch.compile``
+    (``fullgraph=True`` by default).
+    """
+
+    def __init__(self, learner: MetaLearner, compile_kwargs: Mapping[str, Any] | None = None,
+                 *, compile_query: bool = True) -> None:
+        self.learner = learner
+        kwargs = _compile_kwargs(dict(compile_kwargs or {}), None)
+        step = make_region_step(
+            learner.model_fn, learner.loss_fn, learner.inner_opt,
+            model_names=learner._model_names, first_order=learner.first_order,
+            lr_prefix=LR_PREFIX if learner.learn_inner_lr else None,
+            randomness=learner.randomness)
+        self.inner_step = torch.compile(step, **kwargs)
+        query = make_region_query(learner)
+        self.query = torch.compile(query, **kwargs) if compile_query else query
+
+    def __call__(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
+        *, wrt: Collection[str] | None = None, loss_scale: Tensor | None = None,
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        where = "meta_grad(meta_params, buffers, tasks) with compile='inner'"
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"{where} under torch.compile: compile='inner' compiles its parts itself and "
+                "runs the outer gradient eagerly between them; call the step without "
+                "torch.compile, or build it with compile=None to compile the whole step")
+        check_task_batch(tasks, where)
+        if any(v.requires_grad for v in meta_params.values()):
+            raise ValueError(
+                f"{where}: meta_params require grad, but compile='inner' differentiates "
+                "detached copies of them and would cut an outer autograd graph; pass detached "
+                "meta_params (a meta train step's state.params are) or use compile=None")
+        with self.learner._attention_backend(), warnings.catch_warnings():
+            # Dynamo reads ``.grad`` of the compiled steps' inputs while it traces them (torch
+            # 2.13); the adapted params are non-leaf, which makes torch warn about the read
+            warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD, category=UserWarning)
+            return _call_translated(where, self._meta_grad, meta_params, buffers, tasks, wrt,
+                                    loss_scale)
+
+    def _meta_grad(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
+        wrt: Collection[str] | None, loss_scale: Tensor | None,
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        learner = self.learner
+        n = n_tasks(tasks)
+        names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
+        total: TensorDict | None = None
+        loss_sum: Tensor | None = None
+        bufs = []
+        for chunk in learner._chunks(tasks):
+            g, lsum, buf_t = region_chunk_grad(learner, meta_params, buffers, chunk, names,
+                                               loss_scale, step=self.inner_step,
+                                               query=self.query)
+            bufs.append(buf_t)
+            total = g if total is None else {k: total[k] + g[k] for k in total}
+            loss_sum = lsum if loss_sum is None else loss_sum + lsum
+        assert total is not None and loss_sum is not None
+        grads = {k: total[k] / n for k in names}
+        out_bufs = {}
+        for k, b in buffers.items():
+            stacked = torch.cat([c[k] for c in bufs])
+            out_bufs[k] = stacked.mean(0).to(b.dtype) if b.is_floating_point() else stacked[0]
+        return grads, loss_sum / n, out_bufs
+
+
+def make_outer_update(update: Callable[..., Any], compile_kwargs: Mapping[str, Any] | None,
+                      ) -> Callable[..., Any]:
+    """Return ``torch.compile(update)`` with ``compile_kwargs`` (``fullgraph=True`` default)."""
+    return torch.compile(update, **_compile_kwargs(dict(compile_kwargs or {}), None))
