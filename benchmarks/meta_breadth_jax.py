@@ -34,13 +34,13 @@ OUT.npz holds ``grad:<name>`` (keyed like torch's ``named_parameters()``), ``los
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # report real peaks
 
-from meta_jax import conv_net, cross_entropy  # numpy/jax only, same folder
+from meta_jax import conv_net, cross_entropy, run_twin  # numpy/jax only, same folder
 
 
 def _safe_div(num, den):
@@ -142,60 +142,23 @@ def make_protonet_loss(*, n_blocks: int, eps: float, n_way: int, scale: float, p
 
 
 def main(path_in: str, path_out: str) -> int:
-    import numpy as np
-
-    data = dict(np.load(path_in))
-    try:
+    def build(data: dict[str, Any], precision: Any) -> Callable[..., Any]:
         import jax
-        import jax.numpy as jnp
-    except ImportError as e:
-        np.savez(path_out, skipped=f"jax is not importable ({e})")
-        return 0
-    if str(data["dtype"]) == "float64":
-        jax.config.update("jax_enable_x64", True)
-    if str(data["precision"]) == "highest":
-        jax.config.update("jax_default_matmul_precision", "highest")
-        precision = jax.lax.Precision.HIGHEST
-    else:  # 'tf32': XLA's default (TF32 on GPUs that have it)
-        precision = jax.lax.Precision.DEFAULT
-    device = jax.devices()[0]
-    params = {k[len("param:"):]: jax.device_put(jnp.asarray(v), device)
-              for k, v in data.items() if k.startswith("param:")}
-    tasks = [jax.device_put(jnp.asarray(data[k]), device)
-             for k in ("support_x", "support_y", "query_x", "query_y")]
-    algo = str(data["algo"])
-    common = dict(n_blocks=int(data["n_blocks"]), eps=float(data["eps"]), precision=precision)
-    if algo == "imaml":
-        step = jax.jit(make_imaml_grad(
-            **common, inner_lr=float(data["inner_lr"]), inner_steps=int(data["inner_steps"]),
-            lam=float(data["lam"]), cg_steps=int(data["cg_steps"]),
-            cg_damping=float(data["cg_damping"]), inner_loop=str(data["inner_loop"])))
-    elif algo == "protonet":
-        step = jax.jit(jax.value_and_grad(make_protonet_loss(
-            **common, n_way=int(data["n_way"]), scale=float(data["scale"]))))
-    else:
+
+        algo = str(data["algo"])
+        common = dict(n_blocks=int(data["n_blocks"]), eps=float(data["eps"]),
+                      precision=precision)
+        if algo == "imaml":
+            return jax.jit(make_imaml_grad(
+                **common, inner_lr=float(data["inner_lr"]), inner_steps=int(data["inner_steps"]),
+                lam=float(data["lam"]), cg_steps=int(data["cg_steps"]),
+                cg_damping=float(data["cg_damping"]), inner_loop=str(data["inner_loop"])))
+        if algo == "protonet":
+            return jax.jit(jax.value_and_grad(make_protonet_loss(
+                **common, n_way=int(data["n_way"]), scale=float(data["scale"]))))
         sys.exit(f"meta_breadth_jax.py: unknown algo {algo!r} (expected 'imaml' or 'protonet')")
-    t0 = time.perf_counter()
-    loss, grads = step(params, *tasks)
-    jax.block_until_ready(grads)
-    compile_s = time.perf_counter() - t0
-    for _ in range(int(data["warmup"]) - 1):
-        jax.block_until_ready(step(params, *tasks))
-    times = []
-    for _ in range(int(data["repeats"])):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(params, *tasks))
-        times.append(time.perf_counter() - t0)
-    stats = device.memory_stats() or {}
-    np.savez(
-        path_out,
-        loss=np.asarray(loss), times_s=np.asarray(times), median_s=statistics.median(times),
-        compile_s=compile_s, peak_bytes=int(stats.get("peak_bytes_in_use", -1)),
-        device=f"{device.platform}:{getattr(device, 'device_kind', '')}",
-        jax_version=jax.__version__,
-        **{f"grad:{k}": np.asarray(v) for k, v in grads.items()},
-    )
-    return 0
+
+    return run_twin(path_in, path_out, build)
 
 
 if __name__ == "__main__":

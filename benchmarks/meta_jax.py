@@ -25,6 +25,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # report real peaks
 
@@ -88,7 +90,15 @@ def make_meta_loss(*, n_blocks: int, eps: float, inner_lr: float, inner_steps: i
     return meta_loss
 
 
-def main(path_in: str, path_out: str) -> int:
+def run_twin(path_in: str, path_out: str,
+             build: Callable[[dict[str, Any], Any], Callable[..., Any]]) -> int:
+    """Load ``path_in``, jit the step ``build(data, precision)`` returns, time it, save ``path_out``.
+
+    ``build`` gets the input file's arrays and the matmul/conv precision and returns a jitted
+    ``step(params, support_x, support_y, query_x, query_y) -> (loss, grads)``. The first call
+    (compilation) is ``compile_s``; ``data["warmup"] - 1`` more untimed calls (default none),
+    then ``data["repeats"]`` timed ones. Without JAX it writes ``skipped`` and returns 0.
+    """
     import numpy as np
 
     data = dict(np.load(path_in))
@@ -98,11 +108,9 @@ def main(path_in: str, path_out: str) -> int:
     except ImportError as e:
         np.savez(path_out, skipped=f"jax is not importable ({e})")
         return 0
-    dtype = str(data["dtype"])
-    if dtype == "float64":
+    if str(data["dtype"]) == "float64":
         jax.config.update("jax_enable_x64", True)
-    precision_name = str(data["precision"])
-    if precision_name == "highest":
+    if str(data["precision"]) == "highest":
         jax.config.update("jax_default_matmul_precision", "highest")
         precision = jax.lax.Precision.HIGHEST
     else:  # 'tf32': XLA's default (TF32 on GPUs that have it)
@@ -112,31 +120,40 @@ def main(path_in: str, path_out: str) -> int:
               for k, v in data.items() if k.startswith("param:")}
     tasks = [jax.device_put(jnp.asarray(data[k]), device)
              for k in ("support_x", "support_y", "query_x", "query_y")]
-    meta_loss = make_meta_loss(
-        n_blocks=int(data["n_blocks"]), eps=float(data["eps"]), inner_lr=float(data["inner_lr"]),
-        inner_steps=int(data["inner_steps"]), precision=precision,
-    )
-    step = jax.jit(jax.value_and_grad(meta_loss))
+    step = build(data, precision)
     t0 = time.perf_counter()
     loss, grads = step(params, *tasks)
     jax.block_until_ready(grads)
     compile_s = time.perf_counter() - t0
+    for _ in range(int(data.get("warmup", 1)) - 1):
+        jax.block_until_ready(step(params, *tasks))
     times = []
     for _ in range(int(data["repeats"])):
         t0 = time.perf_counter()
-        out = step(params, *tasks)
-        jax.block_until_ready(out)
+        jax.block_until_ready(step(params, *tasks))
         times.append(time.perf_counter() - t0)
     stats = device.memory_stats() or {}
-    peak = int(stats.get("peak_bytes_in_use", -1))
     np.savez(
         path_out,
-        loss=np.asarray(loss), times_s=np.asarray(times), compile_s=compile_s, peak_bytes=peak,
+        loss=np.asarray(loss), times_s=np.asarray(times), median_s=statistics.median(times),
+        compile_s=compile_s, peak_bytes=int(stats.get("peak_bytes_in_use", -1)),
         device=f"{device.platform}:{getattr(device, 'device_kind', '')}",
-        jax_version=jax.__version__, median_s=statistics.median(times),
+        jax_version=jax.__version__,
         **{f"grad:{k}": np.asarray(v) for k, v in grads.items()},
     )
     return 0
+
+
+def main(path_in: str, path_out: str) -> int:
+    def build(data: dict[str, Any], precision: Any) -> Callable[..., Any]:
+        import jax
+
+        return jax.jit(jax.value_and_grad(make_meta_loss(
+            n_blocks=int(data["n_blocks"]), eps=float(data["eps"]),
+            inner_lr=float(data["inner_lr"]), inner_steps=int(data["inner_steps"]),
+            precision=precision)))
+
+    return run_twin(path_in, path_out, build)
 
 
 if __name__ == "__main__":

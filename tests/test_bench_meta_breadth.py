@@ -116,5 +116,5 @@ def test_jax_twin_imports_no_torch():
     modules |= {n.module.split(".")[0] for n in ast.walk(tree)
                 if isinstance(n, ast.ImportFrom) and n.module}
     assert "torch" not in modules and "torchfn" not in modules
-    assert modules <= {"__future__", "os", "statistics", "sys", "time", "numpy", "jax",
-                       "meta_jax"}, modules
+    assert modules <= {"__future__", "collections", "typing", "os", "statistics", "sys", "time",
+                       "numpy", "jax", "meta_jax"}, modules
