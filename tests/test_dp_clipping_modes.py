@@ -239,7 +239,8 @@ def test_adaptive_threshold_tracks_the_target_quantile(target: float, normalize:
                               max_grad_norm=0.05, sample_rate=0.1, dataset_size=10 * qn,
                               adaptive_clipping=AdaptiveClipping(target_quantile=target,
                                                                  normalize_update=normalize))
-    assert step.adaptive_clipping.count_noise_multiplier == pytest.approx(qn / 20)
+    # default: max(qN / 20, 3.5 sigma) = max(3.2, 3.5)
+    assert step.adaptive_clipping.count_noise_multiplier == pytest.approx(3.5)
     state = init_dp_state(params, buffers, opt, seed=1, max_grad_norm=0.05)
     gen = torch.Generator().manual_seed(int(100 * target))
     ones, valid = torch.ones(qn, dtype=F64), torch.ones(qn, dtype=torch.bool)
@@ -419,9 +420,10 @@ def test_bad_settings_fail_clearly() -> None:
         make_dp_train_step(ghost, xent, opt,
                            adaptive_clipping=AdaptiveClipping(count_noise_multiplier=0.4),
                            **common)
-    # the default count noise (expected batch 10 / 20 = 0.5) is too small for sigma = 1
-    with pytest.raises(ValueError, match=r"got 0\.5 \(the default, expected batch size / 20\)"):
-        make_dp_train_step(ghost, xent, opt, adaptive_clipping=AdaptiveClipping(), **common)
+    # the default count noise is never too small: max(expected batch 10 / 20, 3.5 sigma)
+    step = make_dp_train_step(ghost, xent, opt, adaptive_clipping=AdaptiveClipping(), **common)
+    assert step.adaptive_clipping.count_noise_multiplier == pytest.approx(3.5)
+    assert step.grad_noise_multiplier == pytest.approx((1 - 1 / 49) ** -0.5)
     with pytest.raises(ValueError, match=r"count_noise_multiplier must be > noise_multiplier / "
                                          r"2 = 1\.5 .* got 1\.4"):
         adaptive_grad_noise_multiplier(3.0, 1.4)  # 1.4 > 1 / (2 * 3) but not > 3 / 2

@@ -48,8 +48,9 @@ class AdaptiveClipping:
     stay unclipped (0.5: ``C_t`` tracks the median norm). ``learning_rate`` (``eta_C > 0``): the
     step of the geometric update ``C_{t+1} = C_t exp(-eta_C (b_t - target_quantile))``.
     ``count_noise_multiplier`` (``sigma_b``, the std of the noise on the count of unclipped
-    examples, in examples): ``None`` takes the paper's suggestion, expected batch size / 20
-    (noise std 0.05 on the fraction). It must exceed ``noise_multiplier / 2`` (the centred
+    examples, in examples): ``None`` takes ``max(qN / 20, 3.5 noise_multiplier)`` -- the
+    paper's suggestion (expected batch size / 20, noise std 0.05 on the fraction), raised where
+    it would cost the gradient more than 1% of extra noise. It must exceed ``noise_multiplier / 2`` (the centred
     count has sensitivity 1/2, so alone it would cost noise multiplier ``2 sigma_b``, which
     must leave budget for the gradient); the gradient noise multiplier is then
     :func:`adaptive_grad_noise_multiplier`.
