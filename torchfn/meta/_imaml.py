@@ -28,8 +28,8 @@ from torch.func import grad, vjp
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _part
-from torchfn.meta._maml import LossFn, MetaLearner, TensorDict, _mean_buffers
-from torchfn.meta._tasks import Task, check_task_batch, n_tasks
+from torchfn.meta._maml import LossFn, MetaLearner, TensorDict
+from torchfn.meta._tasks import Task, check_task_batch
 
 __all__ = ["ImplicitMetaLearner", "imaml"]
 
@@ -259,24 +259,16 @@ class ImplicitMetaLearner(MetaLearner):
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
         wrt: Collection[str] | None, loss_scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
-        n = n_tasks(tasks)
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
 
         def one_task(p: Mapping[str, Tensor], b: Mapping[str, Tensor], task: Task) -> Any:
             return self.task_grad(p, b, task, loss_scale)
 
-        total: TensorDict | None = None
-        loss_sum: Tensor | None = None
-        bufs = []
-        for chunk in self._chunks(tasks):
+        def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
             g_t, loss_t, buf_t = self._task_vmap(one_task)(meta_params, buffers, chunk)
-            g = {k: g_t[k].sum(0) for k in names}
-            total = g if total is None else {k: total[k] + g[k] for k in total}
-            loss_sum = loss_t.sum() if loss_sum is None else loss_sum + loss_t.sum()
-            bufs.append(buf_t)
-        assert total is not None and loss_sum is not None
-        return ({k: v / n for k, v in total.items()}, loss_sum / n,
-                _mean_buffers(bufs, buffers))
+            return {k: g_t[k].sum(0) for k in names}, loss_t.sum(), buf_t
+
+        return self._sum_over_chunks(meta_params, buffers, tasks, names, chunk_grad)
 
 
 def _check_imaml_args(*, lam: Any, cg_steps: Any, cg_damping: Any) -> None:

@@ -31,7 +31,7 @@ from torch import Tensor
 from torchfn._checks import _call_translated, _compile_kwargs
 from torchfn.meta._maml import LR_PREFIX, MetaLearner
 from torchfn.meta._regions import make_region_query, make_region_step, region_chunk_grad
-from torchfn.meta._tasks import Task, check_task_batch, n_tasks
+from torchfn.meta._tasks import Task, check_task_batch
 
 __all__: list[str] = []
 
@@ -120,25 +120,13 @@ class InnerCompiledMetaGrad:
         wrt: Collection[str] | None, loss_scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         learner = self.learner
-        n = n_tasks(tasks)
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
-        total: TensorDict | None = None
-        loss_sum: Tensor | None = None
-        bufs = []
-        for chunk in learner._chunks(tasks):
-            g, lsum, buf_t = region_chunk_grad(learner, meta_params, buffers, chunk, names,
-                                               loss_scale, step=self.inner_step,
-                                               query=self.query)
-            bufs.append(buf_t)
-            total = g if total is None else {k: total[k] + g[k] for k in total}
-            loss_sum = lsum if loss_sum is None else loss_sum + lsum
-        assert total is not None and loss_sum is not None
-        grads = {k: total[k] / n for k in names}
-        out_bufs = {}
-        for k, b in buffers.items():
-            stacked = torch.cat([c[k] for c in bufs])
-            out_bufs[k] = stacked.mean(0).to(b.dtype) if b.is_floating_point() else stacked[0]
-        return grads, loss_sum / n, out_bufs
+
+        def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
+            return region_chunk_grad(learner, meta_params, buffers, chunk, names, loss_scale,
+                                     step=self.inner_step, query=self.query)
+
+        return learner._sum_over_chunks(meta_params, buffers, tasks, names, chunk_grad)
 
 
 def make_outer_update(update: Callable[..., Any], compile_kwargs: Mapping[str, Any] | None,

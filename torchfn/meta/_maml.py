@@ -383,41 +383,53 @@ class MetaLearner:
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
         wrt: Collection[str] | None, loss_scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
-        n = n_tasks(tasks)
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
         fixed = {k: v for k, v in meta_params.items() if k not in names}
-        total: TensorDict | None = None
-        loss_sum: Tensor | None = None
-        bufs = []
-        for chunk in self._chunks(tasks):
+
+        def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
             if self._use_regions(meta_params):
-                g, lsum, buf_t = region_chunk_grad(self, meta_params, buffers, chunk, names,
-                                                   loss_scale)
-            elif self.remat:
-                g, lsum, buf_t = self._remat_chunk_grad(meta_params, buffers, chunk, names,
-                                                         loss_scale)
-            elif self.reptile:
+                return region_chunk_grad(self, meta_params, buffers, chunk, names, loss_scale)
+            if self.remat:
+                return self._remat_chunk_grad(meta_params, buffers, chunk, names, loss_scale)
+            if self.reptile:
                 delta, loss_t, buf_t = self._task_vmap(self._reptile_delta)(
                     meta_params, buffers, chunk
                 )
                 g = {k: v.sum(0) for k, v in delta.items() if k in names}
                 if loss_scale is not None:
                     g = {k: v * loss_scale.to(v.dtype) for k, v in g.items()}
-                lsum = loss_t.sum()
-            else:
-                def chunk_loss(p: TensorDict, c: Task = chunk) -> tuple[Tensor, Any]:
-                    merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
-                    loss_t, buf_t = self._task_vmap(self.task_loss)(merged, buffers, c)
-                    loss = loss_t.sum()
-                    if loss_scale is not None:
-                        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
-                        return loss * loss_scale, (loss.detach(), buf_t)
-                    return loss, (loss.detach(), buf_t)
+                return g, loss_t.sum(), buf_t
 
-                with _part("torchfn.outer_grad"):
-                    g, (_, (lsum, buf_t)) = grad_and_value(chunk_loss, has_aux=True)(
-                        {k: meta_params[k] for k in names}
-                    )
+            def chunk_loss(p: TensorDict) -> tuple[Tensor, Any]:
+                merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
+                loss_t, buf_t = self._task_vmap(self.task_loss)(merged, buffers, chunk)
+                loss = loss_t.sum()
+                if loss_scale is not None:
+                    loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
+                    return loss * loss_scale, (loss.detach(), buf_t)
+                return loss, (loss.detach(), buf_t)
+
+            with _part("torchfn.outer_grad"):
+                g, (_, (lsum, buf_t)) = grad_and_value(chunk_loss, has_aux=True)(
+                    {k: meta_params[k] for k in names}
+                )
+            return g, lsum, buf_t
+
+        return self._sum_over_chunks(meta_params, buffers, tasks, names, chunk_grad)
+
+    def _sum_over_chunks(
+        self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
+        names: list[str], chunk_grad: Callable[[Task], tuple[TensorDict, Tensor, TensorDict]],
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        """Run ``chunk_grad(chunk) -> (summed grads, summed loss, per-task buffers)`` over
+        ``chunk_size`` task chunks; return the task means (names a chunk left out: zeros)
+        and the post-query buffers averaged over tasks (integer buffers: task 0's)."""
+        n = n_tasks(tasks)
+        total: TensorDict | None = None
+        loss_sum: Tensor | None = None
+        bufs = []
+        for chunk in self._chunks(tasks):
+            g, lsum, buf_t = chunk_grad(chunk)
             bufs.append(buf_t)
             total = g if total is None else {k: total[k] + g[k] for k in total}
             loss_sum = lsum if loss_sum is None else loss_sum + lsum
