@@ -136,7 +136,8 @@ def _equal(a: Any, b: Any, what: str) -> None:
     lb, sb = optree.tree_flatten(b, none_is_leaf=False, namespace="torchopt")
     assert sa == sb, what
     for i, (x, y) in enumerate(zip(la, lb, strict=True)):
-        assert x.dtype == y.dtype and torch.equal(x, y) or (
+        assert x.dtype == y.dtype, f"{what}: leaf {i}: {x.dtype} vs {y.dtype}"
+        assert torch.equal(x, y) or (  # (bitwise; a NaN loss equals a NaN loss)
             x.is_floating_point() and torch.equal(x.isnan(), y.isnan())
             and torch.equal(x.nan_to_num(), y.nan_to_num())), f"{what}: leaf {i}: {x} vs {y}"
 
