@@ -29,6 +29,7 @@ from torchopt.base import GradientTransformation
 from torchfn import distributed as tdist
 from torchfn.functional import make_functional
 from torchfn.optim import adam, sgd
+from torchfn.persample import AdaptiveClipping, make_dp_train_step, make_ghost_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is missing")
 
@@ -112,12 +113,48 @@ def _train(cfg: dict[str, Any], donate: bool, rank: int, world: int) -> dict[str
     return {"states": states, "metrics": metrics, "before_skip": before_skip}
 
 
+DP_CONFIGS: dict[str, dict[str, Any]] = {
+    "dp_adam_adaptive": {"opt": lambda: adam(0.05), "kw": {"adaptive_clipping": AdaptiveClipping(
+        target_quantile=0.5, learning_rate=0.2)}},
+    "dp_sgd": {"opt": lambda: sgd(0.1, momentum=0.9), "kw": {"lr_schedule": 0.1}},
+}
+
+
+def _train_dp(cfg: dict[str, Any], donate: bool, rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
+    ghost, params, buffers = make_ghost_model(module)
+    opt = cfg["opt"]()
+    dp = make_dp_train_step(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"), opt,
+                            noise_multiplier=0.7, max_grad_norm=0.5, sample_rate=0.25,
+                            dataset_size=32, **cfg["kw"])
+    layout = tdist.ShardLayout.from_params(params)
+    sstep = tdist.make_sharded_dp_train_step(dp, layout, donate=donate)
+    state = tdist.init_sharded_dp_state(params, buffers, opt, layout, seed=3, max_grad_norm=0.5)
+    g = torch.Generator().manual_seed(7 + rank)
+    states, metrics, before_skip = [], [], None
+    for i in range(STEPS):
+        x, y = torch.randn(4, 4, generator=g, dtype=F64), torch.randint(0, 3, (4,), generator=g)
+        if i == SKIP and rank == 1:
+            x[0, 0] = float("nan")  # one rank's NaN example: every rank skips
+        if i == SKIP:
+            before_skip = _clone(state)
+        ids = [id(t) for t in state.params.values()]
+        state, m = sstep(state, (x, y), torch.ones(4, dtype=torch.bool))
+        assert (ids == [id(t) for t in state.params.values()]) == donate  # written in place
+        states.append(_clone(state))
+        metrics.append(m)
+    return {"states": states, "metrics": metrics, "before_skip": before_skip}
+
+
 def _rank_main(rank: int, world: int, port: int, root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHFN_OPS="reference")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out = {name: {d: _train(cfg, d, rank, world) for d in (False, True)}
                for name, cfg in CONFIGS.items()}
+        out.update({name: {d: _train_dp(cfg, d, rank, world) for d in (False, True)}
+                    for name, cfg in DP_CONFIGS.items()})
         torch.save(out, os.path.join(root, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -142,7 +179,7 @@ def _equal(a: Any, b: Any, what: str) -> None:
             and torch.equal(x.nan_to_num(), y.nan_to_num())), f"{what}: leaf {i}: {x} vs {y}"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CONFIGS) + list(DP_CONFIGS))
 def test_donated_equals_pure_bit_for_bit(runs, name):
     for rank, out in enumerate(runs):
         pure, don = out[name][False], out[name][True]
@@ -156,8 +193,9 @@ def test_donated_equals_pure_bit_for_bit(runs, name):
         _equal(don["states"][SKIP].opt_state, don["before_skip"].opt_state, "skipped opt_state")
         _equal(don["states"][SKIP].buffers, don["before_skip"].buffers, "skipped buffers")
         # and the steps around it moved them
-        assert not torch.equal(don["states"][-1].params["inp.weight"],
-                               don["before_skip"].params["inp.weight"])
+        first = next(iter(don["states"][-1].params))
+        assert not torch.equal(don["states"][-1].params[first],
+                               don["before_skip"].params[first])
 
 
 @pytest.fixture
@@ -268,3 +306,27 @@ def test_bad_donate_argument_raises(world_of_one):
     with pytest.raises(TypeError, match=r"make_sharded_train_step\(donate=\.\.\.\): expected "
                                         r"True or False, got 'yes'"):
         _setup(adam(0.1), donate="yes")
+
+
+def test_sharded_dp_donated_state_reuse_and_compile_raise(world_of_one):
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(nn.Linear(4, 3).to(F64))
+    opt = adam(0.05)
+    dp = make_dp_train_step(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"), opt,
+                            noise_multiplier=0.7, max_grad_norm=0.5, sample_rate=0.25,
+                            dataset_size=32)
+    layout = tdist.ShardLayout.from_params(params)
+    sstep = tdist.make_sharded_dp_train_step(dp, layout, donate=True)
+    state = tdist.init_sharded_dp_state(params, buffers, opt, layout, seed=3)
+    batch, valid = (torch.randn(4, 4, dtype=F64), torch.tensor([0, 1, 2, 0])), torch.ones(
+        4, dtype=torch.bool)
+    new, _ = sstep(state, batch, valid)
+    with pytest.raises(ValueError, match=r"sharded DP-SGD step: this state was donated"):
+        sstep(state, batch, valid)
+    assert int(sstep(new, batch, valid)[0].step) == 2
+    with pytest.raises(ValueError, match=r"ShardedDPStep\.compile: a donating step .* runs "
+                                         r"eagerly only"):
+        sstep.compile()
+    with pytest.raises(TypeError, match=r"make_sharded_dp_train_step\(donate=\.\.\.\): "
+                                        r"expected True or False, got 1"):
+        tdist.make_sharded_dp_train_step(dp, layout, donate=1)
