@@ -330,3 +330,51 @@ def test_sharded_dp_donated_state_reuse_and_compile_raise(world_of_one):
     with pytest.raises(TypeError, match=r"make_sharded_dp_train_step\(donate=\.\.\.\): "
                                         r"expected True or False, got 1"):
         tdist.make_sharded_dp_train_step(dp, layout, donate=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_of_the_update_is_one_param_not_a_second_state():
+    """On one GPU (NCCL, a world of one): the memory allocated from the first
+    ``optimizer.update`` call to the end of the step is several whole params with the pure
+    step (new moments, updates, new params) but about one layer's with ``donate=True``."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(0)
+        d, n = 512, 32
+        with torch.device("cuda"):
+            module = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(n)])
+        model_fn, params, buffers = make_functional(module)
+        p_bytes = sum(t.numel() * t.element_size() for t in params.values())
+        layer = p_bytes / n
+        layout = tdist.ShardLayout.from_params(params)
+        start: list[int] = []
+        inner = adam(1e-3)
+
+        def update(updates: Any, state: Any, *, params: Any = None,
+                   inplace: bool = True) -> Any:
+            if not start:  # the first update of the step: measure from here
+                torch.cuda.synchronize()
+                start.append(torch.cuda.memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            return inner.update(updates, state, params=params, inplace=inplace)
+
+        opt = GradientTransformation(inner.init, update)
+        x = torch.randn(4, d, device="cuda")
+        extra = {}
+        for donate in (False, True):
+            step = tdist.make_sharded_train_step(model_fn, F.mse_loss, opt, layout,
+                                                 max_grad_norm=1.0, donate=donate)
+            state = tdist.init_sharded_state(params, buffers, opt, layout, seed=0)
+            state, _ = step(state, (x, torch.zeros_like(x)))  # (the first donated call probes)
+            start.clear()
+            state, _ = step(state, (x, torch.zeros_like(x)))
+            torch.cuda.synchronize()
+            extra[donate] = torch.cuda.max_memory_allocated() - start[0]
+            del state
+        assert extra[False] >= 3 * p_bytes, extra  # new moments, updates, new params
+        # one layer's gradient, new moments, Adam's temporaries, update and new params
+        assert extra[True] <= 12 * layer, extra
+    finally:
+        dist.destroy_process_group()
