@@ -223,4 +223,5 @@ def _write(old: Tensor, new: Tensor, finite: Tensor | None, where: str, name: st
         raise ValueError(f"{where}(donate=True): the optimizer made a leaf of param {name!r} "
                          f"of shape {tuple(new.shape)} and dtype {new.dtype} for one of "
                          f"{tuple(old.shape)} {old.dtype}; it cannot be written in place")
-    old.copy_(new if finite is None else torch.where(finite, new, old))
+    with torch.no_grad():
+        old.copy_(new if finite is None else torch.where(finite, new, old))
