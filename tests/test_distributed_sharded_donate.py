@@ -1,12 +1,15 @@
-"""Donated sharded steps (``make_sharded_train_step(..., donate=True)``) on gloo ranks, float64.
+"""Donated sharded steps (``donate=True`` of ``make_sharded_train_step`` and
+``make_sharded_dp_train_step``) on gloo ranks, float64.
 
 One ``mp.spawn`` run on 2 ranks trains 4 steps with the pure and the donated step from the same
-state for Adam (value and norm clipping, 2 micro-batches, per-block gathering) and SGD with
-momentum (norm clipping, an lr schedule); step 2's batch holds a NaN, so it is skipped. The
-tests check that every step's params, optimizer state, buffers, counters and metrics are equal
-bit for bit, that the skipped step left the donated tensors exactly as they were, and, in a
-world of one, that passing a donated state again raises, that the update's live optimizer-state
-elements peak at one copy plus one param's (not two copies), and the refusals.
+state: the train step with Adam (value and norm clipping, 2 micro-batches; and per-block
+gathering) and SGD with momentum (norm clipping, an lr schedule), the DP step with Adam and
+adaptive clipping and with SGD; step 2 holds a NaN, so it is skipped. The tests check that every
+step's params, optimizer state, buffers, counters and metrics are equal bit for bit, that the
+skipped step left the donated tensors exactly as they were, and, in a world of one, AdamW with
+a schedule, that passing a donated state again raises, that the live optimizer-state elements
+at each update peak at one copy plus one param's (not two copies), and the refusals. A GPU
+test measures the allocated memory of the update.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torchopt.base import GradientTransformation
 
 from torchfn import distributed as tdist
 from torchfn.functional import make_functional
-from torchfn.optim import adam, sgd
+from torchfn.optim import adam, adamw, sgd
 from torchfn.persample import AdaptiveClipping, make_dp_train_step, make_ghost_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is missing")
@@ -228,6 +231,20 @@ def test_donated_state_passed_again_raises(world_of_one):
     pure, _, _ = _setup(adam(0.1))
     with pytest.raises(ValueError, match=r"this state was donated"):
         pure(new, batch)  # the pure sharded step refuses it too
+
+
+def test_adamw_with_a_schedule_equal_pure_in_a_world_of_one(world_of_one):
+    def opt() -> GradientTransformation:
+        return adamw(lambda c: 0.05 / (1.0 + c), weight_decay=0.1)
+
+    pure, state_p, _ = _setup(opt(), clip_value=0.1)
+    don, state_d, _ = _setup(opt(), clip_value=0.1, donate=True)
+    for x, y in batches():
+        state_p, m_p = pure(state_p, (x, y))
+        state_d, m_d = don(state_d, (x, y))
+        _equal(state_d, state_p, "state")
+        _equal(m_d, m_p, "metrics")
+    assert int(state_d.skipped) == 1
 
 
 def _counting(opt: GradientTransformation, live: list[int], peak: list[int]
