@@ -117,7 +117,8 @@ class ShardedDPStep:
         raise AttributeError(name)
 
     def _full(self, state: DPState) -> DPState:
-        check_not_donated(state, "sharded DP-SGD step")
+        if not torch.compiler.is_compiling():
+            check_not_donated(state, "sharded DP-SGD step")
         self.layout.check_shards(state.params, "sharded DP-SGD step: state.params")
         return _replace(state, params=self.layout.gather(state.params))
 
