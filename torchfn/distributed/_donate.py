@@ -36,8 +36,6 @@ _TAG = 1_000_003
 # id(step tensor) -> weakref of it, for every state donated to a donating step: passing one of
 # them again is refused (their tensors hold a newer state's values)
 _CONSUMED: dict[int, weakref.ref] = {}
-# test hook: called with (name, new param, new optimizer-state leaves) after each param's update
-_ON_PARAM: Callable[..., None] | None = None
 
 _COMPILE_MSG = (
     "sharded step (donate=True): the donated (in-place, param by param) update runs eagerly "
@@ -183,8 +181,6 @@ class DonationPlan:
             updates = sub = None
             new_leaves, _ = _flatten(new_sub)
             new_sub = None
-            if _ON_PARAM is not None:
-                _ON_PARAM(name, new_p, new_leaves)
             for i, new in zip(index, new_leaves, strict=True):
                 if self.owners[i] is None:
                     fresh.setdefault(i, new)
