@@ -1,19 +1,22 @@
-"""A decoder too large for one 80 GB GPU with Adam, trained on 4 GPUs with per-block sharding.
+"""A decoder too large for one 80 GB GPU with Adam, trained on 2 GPUs with per-block sharding.
 
 Default size (``--layers 26 --d-model 4096 --vocab 32000``): about 5.5e9 fp32 params, so
 params + gradients + Adam's two moments take about 16 bytes x 5.5e9 = 88 GB unsharded -- more
 than one H100 holds before any activation. With :func:`make_sharded_train_step`
-``(blocks="auto")`` on ``W`` ranks each rank keeps ``1 / W`` of the params, gradients and Adam
-state plus the params outside the blocks (embeddings, final norm, head: gathered whole), one
-gathered decoder layer (~0.8 GB; two while one is recomputed) and the activations at the layer
-boundaries.
+``(blocks="auto", donate=True)`` on ``W`` ranks each rank keeps ``1 / W`` of the params,
+gradients and Adam state plus the params outside the blocks (embeddings, final norm, head:
+gathered whole, with their full gradients), one gathered decoder layer (~0.8 GB; two while one
+is recomputed) and the activations at the layer boundaries.
 
-Why 4 GPUs and not 2: the step is pure (out-of-place), so at the update a rank holds the old
-state (params + moments, 12 bytes/param), the clipped gradient shard (4), the new moments (8),
-the update (4) and the new params (4): about 32 bytes x P / W at the peak, ~44 GB per rank at
-W = 4 for 5.5e9 params, but ~88 GB at W = 2. (Without in-place updates / buffer donation two
-80 GB cards cannot train a model whose Adam state alone exceeds one card.) The script prints
-this estimate next to the measured ``torch.cuda.max_memory_allocated``.
+Why ``donate=True`` (the default here; ``--no-donate`` is the control): a pure step holds at
+the update the old state (params + moments, 12 bytes/param), the clipped gradient shard (4),
+the new moments (8), the update (4) and the new params (4): about 32 bytes x P / W at the peak,
+~88 GB per rank at W = 2 -- more than an 80 GB card. The donated step updates one param at a
+time and writes the results into the old state's tensors, so the peak is the sharded state
+(16 bytes x P / W, ~44 GB at W = 2) plus one param's new leaves (the largest param here is an
+embedding or the head, 1.3e8 params: ~1 GB for its shard's new moments, update and params) and
+the gathered tensors above. The script prints the estimate next to the measured
+``torch.cuda.max_memory_allocated``.
 
 The model is never materialised on one rank: it is built on the ``meta`` device (shapes only),
 the :class:`ShardLayout` comes from the meta params, and each rank draws its own flat shard of
@@ -25,14 +28,18 @@ Reports per rank: step time (median of the timed steps after ``--warmup``), the 
 ``torch.cuda.max_memory_allocated``. ``--blocks none`` runs the whole-gather step
 (``blocks=None``) instead: every rank then also holds the full params and the full gradient
 (~44 GB more), so at the default size it should run out of memory -- run it on its own, an
-out-of-memory rank ends the job.
+out-of-memory rank ends the job; so should ``--no-donate`` on 2 GPUs (it fits 4).
 
-GPU (4 x H100 80 GB; the second command is the control, expected to fail with OOM)::
+GPU (2 x H100 80 GB; the other two commands are controls expected to fail with OOM on 2 cards,
+the last one is the pure step on 4 cards)::
 
-    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py
-    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py --blocks none
+    torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py
+    torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --no-donate
+    torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --blocks none
+    torchrun --standalone --nproc-per-node=4 benchmarks/sharded_big_model.py --no-donate
 
-CPU smoke run (2 gloo processes, a tiny decoder; also checks per-block == whole-gather)::
+CPU smoke run (2 gloo processes, a tiny decoder; also checks per-block donated == whole-gather
+pure)::
 
     torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --small --device cpu
 """
@@ -124,6 +131,9 @@ def main() -> None:
     ap.add_argument("--blocks", choices=["auto", "none"], default="auto",
                     help="none: the whole-gather step (blocks=None), which runs out of memory "
                          "at the default size (run it on its own: an OOM ends the job)")
+    ap.add_argument("--no-donate", dest="donate", action="store_false",
+                    help="the pure step (donate=False): ~32 bytes/param / W at the update, "
+                         "which does not fit 2 x 80 GB at the default size")
     args = ap.parse_args()
     if args.small:
         args.layers, args.d_model, args.heads, args.vocab, args.seq = 3, 32, 4, 97, 16
@@ -147,7 +157,7 @@ def main() -> None:
                 torch.randint(0, args.vocab, (args.batch, args.seq), generator=g,
                               device=device)) for _ in range(args.warmup + args.steps)]
 
-    def run(blocks: object) -> dict[str, object]:
+    def run(blocks: object, donate: bool) -> dict[str, object]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -157,7 +167,7 @@ def main() -> None:
         else:
             fn = model_fn
         step = tdist.make_sharded_train_step(fn, loss_fn, opt, layout, blocks=blocks,
-                                             max_grad_norm=1.0)
+                                             max_grad_norm=1.0, donate=donate)
         state = init_train_state(shard_init(layout, device, seed=0), {}, opt, seed=0)
         times, losses = [], []
         for i, batch in enumerate(batches):
@@ -172,17 +182,17 @@ def main() -> None:
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         out: dict[str, object] = {
-            "rank": rank, "blocks": blocks, "step_s": statistics.median(times),
+            "rank": rank, "blocks": blocks, "donate": donate, "step_s": statistics.median(times),
             "losses": losses, "params": layout.gather(state.params) if args.small else None}
         if device.type == "cuda":
             out["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
         return out
 
     if args.small:
-        results = [run("auto"), run(None)]
+        results = [run("auto", args.donate), run(None, False)]
     else:
-        results = [run("auto" if args.blocks == "auto" else None)]
-    if args.small:  # per-block == whole gather on the same shards and batches
+        results = [run("auto" if args.blocks == "auto" else None, args.donate)]
+    if args.small:  # per-block (donated) == whole gather (pure) on the same shards and batches
         a, b = results[0].pop("params"), results[1].pop("params")
         diff = max(float((a[k] - b[k]).abs().max()) for k in a)
         results[0]["max_abs_diff_vs_whole"] = diff
@@ -198,7 +208,9 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "unsharded_param_grad_adam_GB": 16 * n_params / 1e9,
             "sharded_state_per_rank_GB": 16 * n_params / world / 1e9,
-            "estimated_update_peak_per_rank_GB": 32 * n_params / world / 1e9,
+            "estimated_update_peak_per_rank_GB": (
+                (16 * n_params / world + 16 * max(layout.chunk(n) for n in layout.shapes))
+                if args.donate else 32 * n_params / world) / 1e9,
             "layers": args.layers, "d_model": args.d_model, "seq": args.seq,
             "batch_per_rank": args.batch, "ranks": everyone}, indent=1))
     dist.destroy_process_group()

@@ -28,8 +28,9 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _compile_kwargs, _replace
+from torchfn.distributed._donate import DonationPlan, check_not_donated, refuse_compile
 from torchfn.distributed._reduce import all_reduce_tree
-from torchfn.distributed._sharded import ShardLayout
+from torchfn.distributed._sharded import ShardLayout, _opt_leaves
 from torchfn.persample import (
     ClippedSum,
     DPState,
@@ -96,12 +97,14 @@ class ShardedDPStep:
     Built by :func:`make_sharded_dp_train_step`. ``sstep(state, local_batch, valid)`` takes
     one logical step whose local share is one physical batch; :meth:`run` takes one on any
     number of physical batches per rank (:func:`shard_poisson_sample` chunks) and steps an
-    accountant once; :meth:`compile` compiles its parts (``fullgraph=True``). Attributes of
-    the wrapped step (``noise_std``, ``sample_rate``, ...) are forwarded.
+    accountant once; :meth:`compile` compiles its parts (``fullgraph=True``; refused with
+    ``donate=True``). Attributes of the wrapped step (``noise_std``, ``sample_rate``, ...) are
+    forwarded.
     """
 
-    def __init__(self, step: DPTrainStep, layout: ShardLayout) -> None:
-        self.step_fn, self.layout = step, layout
+    def __init__(self, step: DPTrainStep, layout: ShardLayout, donate: bool = False) -> None:
+        self.step_fn, self.layout, self.donate = step, layout, donate
+        self._plans: dict[Any, DonationPlan] = {}
         self._sum: Callable[..., Any] = step.clipped_sum  # compiled if step was compiled
         self._apply: Callable[..., Any] = self._reduce_and_apply
         self._one: Callable[..., Any] = self._one_step
@@ -114,6 +117,8 @@ class ShardedDPStep:
         raise AttributeError(name)
 
     def _full(self, state: DPState) -> DPState:
+        if not torch.compiler.is_compiling():
+            check_not_donated(state, "sharded DP-SGD step")
         self.layout.check_shards(state.params, "sharded DP-SGD step: state.params")
         return _replace(state, params=self.layout.gather(state.params))
 
@@ -125,6 +130,10 @@ class ShardedDPStep:
     def _reduce_and_apply(self, state: DPState,
                           local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
         lay, dp = self.layout, self.step_fn
+        if self.donate and torch.compiler.is_compiling():
+            refuse_compile()
+        if not torch.compiler.is_compiling():
+            check_not_donated(state, "sharded DP-SGD step")
         shard = lay.reduce_scatter_sum(local.grads)
         slices = {n: (lay.numel(n), lay.rank * lay.chunk(n), lay.valid(n), lay.chunk(n))
                   for n in lay.shapes}
@@ -135,9 +144,29 @@ class ShardedDPStep:
                  "norm_sum": local.norm_sum}
         red = all_reduce_tree({**{k: v.double() for k, v in small.items()}, "bad": bad},
                               op="sum", group=lay.group)
-        total = ClippedSum(grads=shard, **{k: red[k].to(v.dtype) for k, v in small.items()})
         finite = (red["bad"] == 0) & torch.isfinite(red["loss_sum"])
-        return dp._update(state, grads, noised, total, finite=finite)
+        if self.donate:  # (the update reads only the counts: the sum's shard dies here)
+            shard = {}
+        total = ClippedSum(grads=shard, **{k: red[k].to(v.dtype) for k, v in small.items()})
+        shard = None  # type: ignore[assignment]
+        return dp._update(state, grads, noised, total, finite=finite,
+                          apply=self._donated_apply if self.donate else None)
+
+    def _donated_apply(self, optimizer: GradientTransformation, grads: TensorDict,
+                       state: DPState, *, options: Any, trainable: Any, loss: Tensor,
+                       unscale: bool, where: str) -> tuple[DPState, dict[str, Tensor]]:
+        """The step core's part that :meth:`DPTrainStep._update` uses, param by param into
+        the donated state (``grads`` is emptied as it goes); ``loss`` is NaN on a step that
+        every rank skips."""
+        assert options.max_grad_norm is None and options.clip_value is None and not options.fp16
+        assert set(trainable) == set(state.params) and not unscale
+        _, _, owners, spec = _opt_leaves(state.opt_state, self.layout, optimizer, where)
+        if spec not in self._plans:
+            self._plans[spec] = DonationPlan.build(optimizer, state.params, state.opt_state,
+                                                   owners, spec, "make_sharded_dp_train_step")
+        finite = torch.isfinite(loss) if options.guard else None
+        return self._plans[spec].apply(optimizer, state, grads.pop, finite, state.buffers,
+                                       options.lr_schedule, where)
 
     def __call__(self, state: DPState, batch: tuple[Any, Any],
                  valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
@@ -158,6 +187,10 @@ class ShardedDPStep:
         """Return a copy whose one-batch step, per-chunk clipped sum and :meth:`apply` are
         ``torch.compile(fullgraph=True)``; ``kwargs`` go to ``torch.compile``, with
         :attr:`DPTrainStep.inductor_options` as for :meth:`DPTrainStep.compile`."""
+        if self.donate:
+            raise ValueError("ShardedDPStep.compile: a donating step "
+                             "(make_sharded_dp_train_step(..., donate=True)) runs eagerly only; "
+                             "build it with donate=False to compile it")
         kwargs = _compile_kwargs(kwargs, DPTrainStep.inductor_options)
         new = ShardedDPStep.__new__(ShardedDPStep)
         new.__dict__.update(self.__dict__)
@@ -193,7 +226,8 @@ class ShardedDPStep:
         return state, metrics
 
 
-def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout) -> ShardedDPStep:
+def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout, *,
+                               donate: bool = False) -> ShardedDPStep:
     """Return a sharded DP-SGD step (:class:`ShardedDPStep`) equal to ``step`` over the global batch.
 
     ``step = make_dp_train_step(ghost, loss_fn, opt, ..., sample_rate=q, dataset_size=N)`` for
@@ -209,6 +243,14 @@ def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout) -> Sharde
     unsharded step (and :class:`DistributedDPStep`) to float round-off, with the same noise.
     Save and resume with :func:`save_sharded_checkpoint` / :func:`load_sharded_checkpoint`
     (the noise key, step, skipped count and adaptive threshold travel with it).
+
+    ``donate=True`` (eager only): the state is donated, as for
+    ``make_sharded_train_step(..., donate=True)``: the update runs param by param and writes
+    the new params and optimizer state into ``state``'s own tensors (one copy of the state plus
+    one param's new leaves at the peak instead of two copies); feed the returned state back,
+    the old one is invalid (passing it again raises ``ValueError``). Same numbers bit for bit,
+    skipped steps included; :meth:`ShardedDPStep.compile` and an optimizer whose update mixes
+    params raise ``ValueError``.
 
     Refused (``ValueError`` naming the argument): ``secure_noise=True``, ``amp``, a
     ``trainable`` filter, a ghost model with frozen params.
@@ -251,4 +293,6 @@ def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout) -> Sharde
     if not isinstance(layout, ShardLayout):
         raise TypeError(f"{where}(step, layout): expected a ShardLayout "
                         f"(ShardLayout.from_params(params)), got {type(layout).__name__}")
-    return ShardedDPStep(step, layout)
+    if not isinstance(donate, bool):
+        raise TypeError(f"{where}(donate=...): expected True or False, got {donate!r}")
+    return ShardedDPStep(step, layout, donate)

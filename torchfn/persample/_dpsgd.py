@@ -418,12 +418,14 @@ class DPTrainStep:
         return out
 
     def _update(self, state: DPState, grads: TensorDict, noised: list[str], total: ClippedSum,
-                finite: Tensor | None = None) -> tuple[DPState, dict[str, Tensor]]:
+                finite: Tensor | None = None, apply: Callable[..., Any] | None = None,
+                ) -> tuple[DPState, dict[str, Tensor]]:
         """Apply the noisy ``grads`` through the step core; ``total``'s counts give the metrics.
 
         ``finite`` (a 0-d bool, the sharded step): whether the WHOLE noisy gradient and loss
         are finite; the core's guard sees only this shard, so a global ``False`` reaches it as
-        a NaN loss and every rank skips alike."""
+        a NaN loss and every rank skips alike. ``apply`` (the sharded step's donated update)
+        replaces :func:`apply_gradients`, called with the same arguments."""
         clip_norm = self._clip_norm(state)
         denom = torch.clamp(total.count, min=1.0)
         loss = total.loss_sum / denom
@@ -431,7 +433,7 @@ class DPTrainStep:
             finite, loss, torch.full_like(loss, float("nan")))
         # the clipped sum is unscaled already (per sample, before clipping): no second unscale
         with _part("torchfn.apply_gradients"):
-            new_state, core = apply_gradients(self._optimizer, grads, state,
+            new_state, core = (apply or apply_gradients)(self._optimizer, grads, state,
                                               options=self._options, trainable=noised,
                                               loss=guard_loss, unscale=False,
                                               where="DP-SGD step")
