@@ -456,10 +456,19 @@ class StreamingDataset(IterableDataset):
         chunk = p.positions // self.batch_size
         bounds = np.flatnonzero(np.diff(chunk)) + 1
         edges = [0, *bounds.tolist(), len(chunk)]
+        # a source that decodes ahead (``prefetch``, optional) is told the next ids (a shuffle
+        # window's worth, again each half window; it bounds what it starts); what is read does
+        # not change
+        ahead = getattr(self.source, "prefetch", None) if self.source is not None else None
+        look = self.shuffle_buffer or 2 * max(max(self.shard_sizes, default=1), 1)
+        told = -1
         for a, b in itertools.pairwise(edges):
             c = int(chunk[a])
             if c < first_chunk:
                 continue
+            if ahead is not None and a >= told:
+                ahead(p.ids[a:a + look])
+                told = a + max(look // 2, 1)
             ids, padded, pos = p.ids[a:b], p.padded[a:b], p.positions[a:b]
             batch = None
             if self.batched and self.transform is None and len(ids):
