@@ -275,7 +275,13 @@ class ParquetSource(_ArrowSource):
     row group decodes it under a file lock, the others map it, so each row group is decoded
     about once per epoch in all instead of once per worker. The directory is removed when the
     process that created the source drops it or exits (a killed process leaves
-    ``/dev/shm/torchfn-parquet-*``). ``shared_cache=False``: each process decodes for itself.
+    ``/dev/shm/torchfn-parquet-*``); that process itself (``num_workers=0``) decodes for
+    itself. ``shared_cache=False``: each process decodes for itself.
+
+    Row groups are decoded ahead in a background thread (pyarrow releases the GIL) when
+    ``StreamingDataset`` announces the next ids (``prefetch``); with the shared cache each
+    worker's thread skips row groups another worker is decoding, so the workers split the
+    decoding between them instead of waiting on each other.
 
     ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list (local paths or
     fsspec URLs, e.g. ``memory://``, ``s3://``; URLs need ``fsspec``). ``columns``: the
@@ -324,15 +330,22 @@ class ParquetSource(_ArrowSource):
         self._fp = _digest(meta, str(schema))
         self._shared = SharedDecodeCache(self, "parquet") if shared_cache else None
 
+    def _sharing(self) -> SharedDecodeCache | None:
+        # the process that made the source has no one to share with: its child processes
+        # (DataLoader workers, write_shards' processes) share what they decode
+        shared = self._shared
+        return shared if shared is not None and shared.owner != os.getpid() else None
+
     def _decode_unit(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]]:
-        if self._shared is None:
+        shared = self._sharing()
+        if shared is None:
             return super()._decode_unit(unit)
         pa = _pyarrow(self._who)
         def decode() -> dict[str, np.ndarray | None]:
             table = self._table(unit)
             return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
 
-        arrays = self._shared.get(unit, self.columns, decode)
+        arrays = shared.get(unit, self.columns, decode)
         assert arrays is not None
         return None, arrays  # the table is read again only for columns not shared (strings)
 
@@ -361,15 +374,17 @@ class ParquetSource(_ArrowSource):
             table = self._table(unit, "_pfiles_ahead")
             return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
 
-        if self._shared is None:
+        shared = self._sharing()
+        if shared is None:
             table = self._table(unit, "_pfiles_ahead")
             return table, {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
-        arrays = self._shared.get(unit, self.columns, decode, wait=False)
+        arrays = shared.get(unit, self.columns, decode, wait=False)
         return None if arrays is None else (None, arrays)
 
     def _evicted(self, unit: int) -> None:
-        if self._shared is not None:
-            self._shared.evict(unit, self.columns)
+        shared = self._sharing()
+        if shared is not None:
+            shared.evict(unit, self.columns)
 
     def _table(self, unit: int, files: str = "_pfiles") -> Any:
         pa = _pyarrow(self._who)

@@ -71,6 +71,7 @@ class SharedDecodeCache:
 
     def __init__(self, owner_obj: Any, tag: str) -> None:
         root = _shm_root()
+        self.owner = os.getpid()  # the process that made it (and removes the directory)
         self.path: str | None = None
         if fcntl is None or root is None:
             return
