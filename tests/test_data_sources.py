@@ -600,8 +600,12 @@ def test_parquet_workers_share_decoded_row_groups(tmp_path, monkeypatch):
         log.write_text("")
         src = ParquetSource(tmp_path / "a.parquet", label_column="label", shared_cache=shared)
         ds = StreamingDataset(src, batch_size=4, seed=2, meta=True)
-        got = [int(k) for b in StreamingLoader(ds, num_workers=2) for k in b["k"]]
+        batches = list(StreamingLoader(ds, num_workers=2))
+        got = [int(k) for b in batches for k in b["k"]]
         assert sorted(got) == list(range(n))
+        for b in batches:  # the labels share the first field's shared-memory block
+            assert b["label"].tolist() == [k % 4 for k in b["k"].tolist()]
+            assert b["label"].untyped_storage().data_ptr() == b["k"].untyped_storage().data_ptr()
         assert got == [int(i) for i in _rank_stream(ds)]  # the plan's order, same values
         reads[shared] = len(log.read_text().split())
         shm = src._shared.path if shared else None

@@ -1,10 +1,21 @@
-"""Batch buffers in shared memory inside DataLoader workers (no copy when handed over)."""
+"""Batch buffers in shared memory inside DataLoader workers (no copy when handed over).
+
+Each shared-memory block a worker sends costs a file-descriptor hand-over to the main process,
+so ``StreamingDataset`` puts a batch's labels in the block of its first field: it reserves
+the labels' bytes (``reserve_tail``) before the source reads, and the source's first
+``empty_batch`` allocates them at the end of its block (``take_tail`` returns them).
+"""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
+
+_ALIGN = 64
+_pending = threading.local()  # per thread: [tail bytes wanted, tail tensor or None]
 
 
 def alloc_bytes(nbytes: int, shared: bool) -> torch.Tensor:
@@ -17,10 +28,50 @@ def alloc_bytes(nbytes: int, shared: bool) -> torch.Tensor:
     return proto.new(proto._typed_storage()._new_shared(nbytes, device=proto.device))
 
 
+def reserve_tail(nbytes: int) -> None:
+    """Asks the next ``empty_batch`` of this thread to allocate ``nbytes`` more at the end of
+    its block (``take_tail`` returns them as a ``(nbytes,)`` uint8 tensor)."""
+    _pending.slot = [nbytes, None]
+
+
+def take_tail() -> torch.Tensor | None:
+    """Returns the bytes ``reserve_tail`` asked for, or None when no ``empty_batch`` took the
+    reservation (then the caller allocates them itself); ends the reservation."""
+    slot = getattr(_pending, "slot", None)
+    _pending.slot = None
+    return None if slot is None else slot[1]
+
+
 def empty_batch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Returns an uninitialized numpy array whose memory a tensor can share (``torch.from_numpy``
-    of it is zero-copy), in shared memory inside a DataLoader worker."""
+    """Returns an uninitialized numpy array, in shared memory inside a DataLoader worker; turn
+    it into the batch's tensor with ``batch_tensor`` (which keeps the shared memory)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buf = alloc_bytes(nbytes, get_worker_info() is not None)
+    shared = get_worker_info() is not None
+    slot = getattr(_pending, "slot", None)
+    if slot is not None and slot[1] is None and shared:
+        start = -(-nbytes // _ALIGN) * _ALIGN
+        buf = alloc_bytes(start + slot[0], True)
+        slot[1] = buf[start:]
+        buf = buf[:nbytes]
+    else:
+        buf = alloc_bytes(nbytes, shared)
     return buf.numpy().view(dtype).reshape(shape)
+
+
+def batch_tensor(a: np.ndarray) -> torch.Tensor:
+    """Returns ``a`` (from ``empty_batch``) as a tensor on the same memory: a view of the
+    shared-memory block where ``a`` is one, so sending it to the main process moves only a
+    descriptor (``torch.from_numpy`` would make a private storage, which pickling copies into
+    a new shared block)."""
+    t = torch.from_numpy(a)
+    root = a
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    if not isinstance(root, torch.Tensor) or not a.flags.c_contiguous:
+        return t
+    storage = root.untyped_storage()
+    offset = a.__array_interface__["data"][0] - storage.data_ptr()
+    if offset % a.dtype.itemsize or not 0 <= offset <= storage.nbytes() - a.nbytes:
+        return t
+    return torch.empty(0, dtype=t.dtype).set_(storage, offset // a.dtype.itemsize, t.shape)

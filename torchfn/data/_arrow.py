@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._alloc import empty_batch
+from ._alloc import batch_tensor, empty_batch
 from ._fsio import is_url, open_binary
 from ._shmcache import SharedDecodeCache
 from ._sources import _as_ids, _digest, _expand, collate_values
@@ -231,7 +231,7 @@ class _ArrowSource:
                 for u, a in zip(uniq, arrays, strict=True):
                     rows = np.flatnonzero(units == u)
                     dst[rows] = a[ids[rows] - self._starts[u]]  # type: ignore[index]
-            out[c] = torch.from_numpy(dst)
+            out[c] = batch_tensor(dst)
         if slow:  # strings, ragged lists, nulls, shapes that differ between units
             pa = _pyarrow(self._who)
             order = np.argsort(units, kind="stable")

@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ._alloc import empty_batch
+from ._alloc import batch_tensor, empty_batch
 from ._fsio import RemoteNpy, expand, is_url
 from ._shards import ShardReader, read_manifest
 
@@ -275,7 +275,7 @@ class NumpySource:
             # a DataLoader worker: no further copy when it is handed over)
             dst = empty_batch(rows.shape, rows.dtype)
             dst[order] = rows
-            out[name] = torch.from_numpy(dst)
+            out[name] = batch_tensor(dst)
         return out
 
     def read_sample(self, i: int) -> dict[str, Any]:

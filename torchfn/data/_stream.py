@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from torchfn._checks import _check_rank
 
 from ._alloc import alloc_bytes as _alloc_bytes
+from ._alloc import reserve_tail, take_tail
 from ._plan import Policy, plan
 from ._shards import (
     _DTYPES,
@@ -348,9 +349,18 @@ class StreamingDataset(IterableDataset):
             return self._collate_samples(ids)
         in_worker = get_worker_info() is not None
         if self.source is not None:
-            out = dict(self.source.read(ids))
-            if self.labels is not None:
-                out["label"] = self._labels(ids, in_worker)
+            if self.labels is None:
+                return dict(self.source.read(ids))
+            if not in_worker:
+                return {**self.source.read(ids), "label": self._labels(ids, False)}
+            # the labels go into the source's first batch buffer: one shared-memory block
+            # (one descriptor handed to the main process) instead of two
+            reserve_tail(8 * len(ids))
+            try:
+                out = dict(self.source.read(ids))
+            finally:
+                tail = take_tail()
+            out["label"] = self._labels(ids, in_worker, tail)
             return out
         shards, local = self._locate(ids)
         uniq = np.unique(shards).tolist()
@@ -378,11 +388,13 @@ class StreamingDataset(IterableDataset):
         out["label"] = self._labels(ids, in_worker)
         return out
 
-    def _labels(self, ids: np.ndarray, shared: bool) -> torch.Tensor:
+    def _labels(self, ids: np.ndarray, shared: bool,
+                buf: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the ``(b,)`` int64 labels of ``ids`` (in shared memory in a worker, like the
-        fields: a plain tensor would be copied into a new shared segment when sent)."""
+        fields: a plain tensor would be copied into a new shared segment when sent), written
+        into ``buf`` (``8 * b`` bytes) when given."""
         assert self.labels is not None
-        out = _alloc_bytes(8 * len(ids), shared).view(torch.int64)
+        out = (_alloc_bytes(8 * len(ids), shared) if buf is None else buf).view(torch.int64)
         np.take(self.labels, ids, out=out.numpy())
         return out
 
