@@ -732,3 +732,21 @@ def test_shared_decode_cache_skips_a_unit_being_decoded_elsewhere():
 
     gc.collect()
     assert not os.path.exists(path)
+
+
+def test_batch_tensor_keeps_the_shared_block():
+    from torchfn.data._alloc import alloc_bytes, batch_tensor
+
+    block = alloc_bytes(64 + 16, True)
+    a = block[:32].numpy().view(np.float32).reshape(2, 4)
+    a[:] = np.arange(8).reshape(2, 4)
+    t = batch_tensor(a)
+    assert t.untyped_storage().is_shared() and t.tolist() == a.tolist()
+    assert t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+    tail = batch_tensor(block[64:].numpy().view(np.int64))
+    assert tail.storage_offset() == 8 and tail.shape == (2,) and tail.untyped_storage().is_shared()
+    assert not torch.from_numpy(a).untyped_storage().is_shared()  # why batch_tensor exists
+    plain = np.arange(6.0).reshape(2, 3)
+    assert batch_tensor(plain).tolist() == plain.tolist()
+    strided = a[:, ::2]  # not contiguous: a private copy-free tensor via from_numpy
+    assert batch_tensor(strided).tolist() == strided.tolist()

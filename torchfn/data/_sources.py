@@ -12,7 +12,10 @@ epoch and resumes mid-epoch exactly, as ``.tfs`` shards do. The protocol (``Samp
   tensor}`` for fields of one shape and dtype, else ``{field: list}``;
 - ``read_sample(i)``: sample ``i`` as ``{field: value}``;
 - ``fingerprint()``: a short string that changes when the data does (checked on resume);
-- ``describe()``: a short description for error messages.
+- ``describe()``: a short description for error messages;
+- optional ``prefetch(ids)``: a hint that ``ids`` are read next (``StreamingDataset`` passes
+  about a shuffle window of its plan ahead); it must return at once and must not change what
+  ``read`` returns (``ParquetSource`` decodes the row groups in a background thread).
 
 Readers here: ``ShardSource`` (a ``.tfs`` directory: the adapter) and ``NumpySource`` (arrays,
 memory maps, ``.npy`` paths); ``TarSource`` (webdataset-style tar shards) is in ``_tar.py``,

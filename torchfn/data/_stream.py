@@ -91,6 +91,10 @@ class StreamingDataset(IterableDataset):
         meta: add ``"id"``, ``"padded"``, ``"rank"``, ``"worker"``, ``"position"`` to batches
             (``padded`` marks ``policy="pad"`` repeats, to mask them out of a loss).
 
+    In DataLoader workers a batch from a source keeps its ``"label"`` in the shared-memory
+    block of its first field (one block, one descriptor handed to the main process per
+    batch): ``torch.save`` of the label tensor alone saves that block; ``clone()`` it first.
+
     Example:
         >>> import tempfile, torch
         >>> from torchfn.data._shards import ShardWriter
@@ -366,6 +370,7 @@ class StreamingDataset(IterableDataset):
         uniq = np.unique(shards).tolist()
         readers = {s: self._reader(s) for s in uniq}
         out: dict[str, Any] = {}
+        tail = None  # the labels, in the first field's block (one descriptor per batch)
         for name in readers[uniq[0]].fields:
             srcs = {s: r.fixed(name) for s, r in readers.items()}
             if any(v is None for v in srcs.values()) or len(
@@ -377,7 +382,12 @@ class StreamingDataset(IterableDataset):
             src0 = srcs[uniq[0]]
             shape = (len(ids), *src0.shape[1:])
             nbytes = int(np.prod(shape)) * src0.element_size()
-            dst = _alloc_bytes(nbytes, in_worker).view(src0.dtype).view(shape)
+            if tail is None and in_worker:
+                start = -(-nbytes // 64) * 64
+                block = _alloc_bytes(start + 8 * len(ids), True)
+                tail, dst = block[start:], block[:nbytes].view(src0.dtype).view(shape)
+            else:
+                dst = _alloc_bytes(nbytes, in_worker).view(src0.dtype).view(shape)
             if len(uniq) == 1:
                 torch.index_select(src0, 0, torch.from_numpy(local), out=dst)
             else:
@@ -385,7 +395,7 @@ class StreamingDataset(IterableDataset):
                     rows = np.flatnonzero(shards == s)
                     dst[torch.from_numpy(rows)] = srcs[s][torch.from_numpy(local[rows])]
             out[name] = dst
-        out["label"] = self._labels(ids, in_worker)
+        out["label"] = self._labels(ids, in_worker, tail)
         return out
 
     def _labels(self, ids: np.ndarray, shared: bool,
@@ -427,7 +437,11 @@ class StreamingDataset(IterableDataset):
                 return None
         n = len(ids)
         shared = get_worker_info() is not None
-        bufs = {name: _alloc_bytes(n * nb, shared) for name, _dt, _shape, nb in key}
+        starts, total = {}, 0  # the fields and the labels in one block: one descriptor
+        for name, _dt, _shape, nb in key:
+            starts[name], total = total, total + -(-(n * nb) // 64) * 64
+        block = _alloc_bytes(total + 8 * n, shared)
+        bufs = {name: block[starts[name]:starts[name] + n * nb] for name, _dt, _shape, nb in key}
         views = {name: memoryview(b.numpy()) for name, b in bufs.items()}
         for r, a, b in zip(readers, cuts[:-1], cuts[1:], strict=True):
             rows = order[a:b]
@@ -436,7 +450,7 @@ class StreamingDataset(IterableDataset):
         out: dict[str, Any] = {
             name: bufs[name].view(_DTYPES[dt]).view(n, *shape) for name, dt, shape, _nb in key
         }
-        out["label"] = self._labels(ids, shared)
+        out["label"] = self._labels(ids, shared, block[total:])
         return out
 
     def _collate_samples(self, ids: np.ndarray) -> dict[str, Any]:
