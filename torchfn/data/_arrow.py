@@ -268,7 +268,8 @@ class ParquetSource(_ArrowSource):
     The default ``cache_units`` covers two windows of ``StreamingDataset``'s default
     ``shuffle_buffer`` (twice the largest row group), so each row group is read once per epoch
     per worker; with a larger ``shuffle_buffer`` pass ``cache_units >= 2 * shuffle_buffer /
-    rows per group + 2`` (memory: that many decoded row groups per worker).
+    rows per group + 2`` (memory: that many decoded row groups per worker, plus up to
+    ``cache_units // 2 + 1`` decoded ahead).
 
     ``shared_cache=True`` (default; Linux/macOS): DataLoader workers share decoded row groups
     through ``.npy`` files in ``/dev/shm`` (``_shmcache.py``): the first worker that needs a
