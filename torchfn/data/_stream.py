@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import numpy.ma  # np.unique imports it on first use (10-30 ms): forked workers inherit it
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
