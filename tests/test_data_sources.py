@@ -478,7 +478,8 @@ def test_parquet_reads_each_row_group_once_per_epoch_in_own_dtypes(tmp_path, mon
         x.reshape(n, 6)[[50, 3, 9]]).float())
     reads = []
     orig = ParquetSource._table
-    monkeypatch.setattr(ParquetSource, "_table", lambda self, u: reads.append(u) or orig(self, u))
+    monkeypatch.setattr(ParquetSource, "_table",
+                        lambda self, u, *a: reads.append(u) or orig(self, u, *a))
     src = ParquetSource(tmp_path, label_column="label", columns=["k"])
     ds = StreamingDataset(src, batch_size=4, seed=1, meta=True)
     got = [int(i) for batch in ds for i in batch["k"]]
@@ -588,10 +589,10 @@ def test_parquet_workers_share_decoded_row_groups(tmp_path, monkeypatch):
     log = tmp_path / "reads.log"
     orig = ParquetSource._table
 
-    def logged(self, u):
+    def logged(self, u, *a):
         with open(log, "a") as f:  # appended by every DataLoader worker
             f.write(f"{u}\n")
-        return orig(self, u)
+        return orig(self, u, *a)
 
     monkeypatch.setattr(ParquetSource, "_table", logged)
     reads = {}
@@ -599,8 +600,12 @@ def test_parquet_workers_share_decoded_row_groups(tmp_path, monkeypatch):
         log.write_text("")
         src = ParquetSource(tmp_path / "a.parquet", label_column="label", shared_cache=shared)
         ds = StreamingDataset(src, batch_size=4, seed=2, meta=True)
-        got = [int(k) for b in StreamingLoader(ds, num_workers=2) for k in b["k"]]
+        batches = list(StreamingLoader(ds, num_workers=2))
+        got = [int(k) for b in batches for k in b["k"]]
         assert sorted(got) == list(range(n))
+        for b in batches:  # the labels share the first field's shared-memory block
+            assert b["label"].tolist() == [k % 4 for k in b["k"].tolist()]
+            assert b["label"].untyped_storage().data_ptr() == b["k"].untyped_storage().data_ptr()
         assert got == [int(i) for i in _rank_stream(ds)]  # the plan's order, same values
         reads[shared] = len(log.read_text().split())
         shm = src._shared.path if shared else None
@@ -612,3 +617,136 @@ def test_parquet_workers_share_decoded_row_groups(tmp_path, monkeypatch):
             assert not os.path.exists(shm)  # removed with the source
     assert reads[False] == 2 * (n // group)  # each worker decodes every row group
     assert n // group <= reads[True] < 2 * (n // group)  # shared: (about) once in all
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_parquet_prefetch_decodes_ahead_and_reads_the_same(tmp_path, monkeypatch, shared):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    n, group = 64, 8
+    x = np.random.default_rng(0).standard_normal((n, 3)).astype(np.float32)
+    pq.write_table(pa.table({"x": pa.array(list(x), type=pa.list_(pa.float32())),
+                             "name": [f"s{i}" for i in range(n)],
+                             "label": pa.array(np.arange(n) % 3)}),
+                   tmp_path / "a.parquet", row_group_size=group)
+    src = ParquetSource(tmp_path, label_column="label", shared_cache=shared)
+    if shared:  # share as a DataLoader worker does (the process that made it decodes alone)
+        src._shared.owner = -1
+    ids = np.array([41, 3, 17, 40, 9], dtype=np.int64)
+    src.prefetch(ids)
+    # row groups in the order needed (5, 0, 2, 1), at most cache_units // 2 + 1 = 3 ahead
+    assert src.cache_units == 5 and list(src._ahead) == [5, 0, 2]
+    for fut in src._ahead.values():
+        fut.result()
+
+    def no_decode(self, u):
+        raise AssertionError(f"row group {u} decoded in the foreground")
+
+    monkeypatch.setattr(ParquetSource, "_decode_unit", no_decode)
+    b = src.read(ids[:3])  # row groups 5, 0, 2: all decoded ahead
+    assert np.array_equal(b["x"].numpy(), x[ids[:3]])
+    monkeypatch.undo()  # row group 1 (id 9) is decoded in the foreground
+    b = src.read(ids)
+    assert np.array_equal(b["x"].numpy(), x[ids]) and b["name"] == [f"s{i}" for i in ids]
+    assert not src._ahead
+    with pytest.raises(IndexError, match=r"ParquetSource.prefetch: ids must lie in \[0, 64\)"):
+        src.prefetch([64])
+
+    def broken(self, u):
+        raise RuntimeError("boom")
+
+    # an error in the background thread: the foreground decodes the row group itself
+    monkeypatch.setattr(ParquetSource, "_decode_ahead", broken)
+    src2 = ParquetSource(tmp_path, label_column="label", shared_cache=shared)
+    if shared:
+        src2._shared.owner = -1
+    src2.prefetch(ids)
+    assert np.array_equal(src2.read(ids)["x"].numpy(), x[ids])
+
+
+def test_streaming_announces_ids_before_reading_them(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    n = 100
+    pq.write_table(pa.table({"k": pa.array(np.arange(n, dtype=np.int64)),
+                             "label": pa.array(np.arange(n) % 4)}),
+                   tmp_path / "a.parquet", row_group_size=8)
+
+    class Recording(ParquetSource):
+        def prefetch(self, ids):
+            self.told.update(np.asarray(ids).tolist())
+            super().prefetch(ids)
+
+        def read(self, ids):
+            assert set(np.asarray(ids).tolist()) <= self.told  # announced first
+            return super().read(ids)
+
+    class Plain(ParquetSource):
+        prefetch = None  # a source without prefetch is read as before
+
+    for world, rank in [(1, 0), (2, 1)]:
+        src = Recording(tmp_path, label_column="label", shared_cache=False)
+        src.told = set()
+        ds = StreamingDataset(src, batch_size=8, seed=4, world_size=world, rank=rank, meta=True)
+        got = [b["k"].tolist() for b in ds]
+        plain = StreamingDataset(Plain(tmp_path, label_column="label", shared_cache=False),
+                                 batch_size=8, seed=4, world_size=world, rank=rank)
+        assert got == [b["k"].tolist() for b in plain]
+        assert [k for b in got for k in b] == _rank_stream(ds)
+        ds.load_state_dict({**ds.state_dict(), "consumed": 34 * world})  # resume mid-epoch
+        src.told = set()
+        assert [k for b in ds for k in b["k"].tolist()] == _rank_stream(ds)[34:]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the shared decode cache needs fcntl")
+def test_shared_decode_cache_skips_a_unit_being_decoded_elsewhere():
+    import fcntl
+
+    from torchfn.data._shmcache import SharedDecodeCache
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    cache = SharedDecodeCache(owner, "test")
+    calls = []
+
+    def decode():
+        calls.append(1)
+        return {"a": np.arange(6.0).reshape(2, 3), "s": None}
+
+    os.makedirs(cache.path, exist_ok=True)
+    with open(os.path.join(cache.path, "0.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as another process decoding unit 0 does
+        assert cache.get(0, ["a", "s"], decode, wait=False) is None and not calls
+    got = cache.get(0, ["a", "s"], decode, wait=False)
+    assert got["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and calls == [1]
+    got = cache.get(0, ["a", "s"], decode)  # now mapped from shared memory
+    assert calls == [1] and got["s"] is None and got["a"].dtype == np.float64
+    assert got["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and not got["a"].flags.writeable
+    path = cache.path
+    del owner, cache, got
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_batch_tensor_keeps_the_shared_block():
+    from torchfn.data._alloc import alloc_bytes, batch_tensor
+
+    block = alloc_bytes(64 + 16, True)
+    a = block[:32].numpy().view(np.float32).reshape(2, 4)
+    a[:] = np.arange(8).reshape(2, 4)
+    t = batch_tensor(a)
+    assert t.untyped_storage().is_shared() and t.tolist() == a.tolist()
+    assert t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+    tail = batch_tensor(block[64:].numpy().view(np.int64))
+    assert tail.storage_offset() == 8 and tail.shape == (2,) and tail.untyped_storage().is_shared()
+    assert not torch.from_numpy(a).untyped_storage().is_shared()  # why batch_tensor exists
+    plain = np.arange(6.0).reshape(2, 3)
+    assert batch_tensor(plain).tolist() == plain.tolist()
+    strided = a[:, ::2]  # not contiguous: a private copy-free tensor via from_numpy
+    assert batch_tensor(strided).tolist() == strided.tolist()

@@ -1,10 +1,42 @@
-"""Batch buffers in shared memory inside DataLoader workers (no copy when handed over)."""
+"""Batch buffers in shared memory inside DataLoader workers (no copy when handed over).
+
+Each shared-memory block a worker sends costs a file-descriptor hand-over to the main process,
+so ``StreamingDataset`` puts a batch's labels in the block of its first field: it reserves
+the labels' bytes (``reserve_tail``) before the source reads, and the source's first
+``empty_batch`` allocates them at the end of its block (``take_tail`` returns them).
+"""
 
 from __future__ import annotations
+
+import ctypes
+import sys
+import threading
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
+
+_ALIGN = 64
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map a block's pages in one call
+_POPULATE_MIN = 1 << 16
+_madvise: list = []  # [libc madvise or None], looked up on first use
+
+
+def _populate(t: torch.Tensor) -> None:
+    """Maps the pages of a fresh shared block up front (one call instead of a page fault per
+    page when the batch is written); a no-op where the kernel or platform lacks it."""
+    if not _madvise:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None, use_errno=True).madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            except (OSError, AttributeError):
+                fn = None
+        _madvise.append(fn)
+    if _madvise[0] is not None and _madvise[0](t.data_ptr(), t.numel(), _MADV_POPULATE_WRITE):
+        _madvise[0] = None  # refused (an older kernel): do not ask again
+_pending = threading.local()  # per thread: [tail bytes wanted, tail tensor or None]
 
 
 def alloc_bytes(nbytes: int, shared: bool) -> torch.Tensor:
@@ -14,13 +46,56 @@ def alloc_bytes(nbytes: int, shared: bool) -> torch.Tensor:
     # Allocated straight in shared memory, as default_collate does, so handing the batch to the
     # main process costs no extra copy (no public API for this).
     proto = torch.empty(0, dtype=torch.uint8)
-    return proto.new(proto._typed_storage()._new_shared(nbytes, device=proto.device))
+    t = proto.new(proto._typed_storage()._new_shared(nbytes, device=proto.device))
+    if nbytes >= _POPULATE_MIN:
+        _populate(t)
+    return t
+
+
+def reserve_tail(nbytes: int) -> None:
+    """Asks the next ``empty_batch`` of this thread to allocate ``nbytes`` more at the end of
+    its block (``take_tail`` returns them as a ``(nbytes,)`` uint8 tensor)."""
+    _pending.slot = [nbytes, None]
+
+
+def take_tail() -> torch.Tensor | None:
+    """Returns the bytes ``reserve_tail`` asked for, or None when no ``empty_batch`` took the
+    reservation (then the caller allocates them itself); ends the reservation."""
+    slot = getattr(_pending, "slot", None)
+    _pending.slot = None
+    return None if slot is None else slot[1]
 
 
 def empty_batch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Returns an uninitialized numpy array whose memory a tensor can share (``torch.from_numpy``
-    of it is zero-copy), in shared memory inside a DataLoader worker."""
+    """Returns an uninitialized numpy array, in shared memory inside a DataLoader worker; turn
+    it into the batch's tensor with ``batch_tensor`` (which keeps the shared memory)."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buf = alloc_bytes(nbytes, get_worker_info() is not None)
+    shared = get_worker_info() is not None
+    slot = getattr(_pending, "slot", None)
+    if slot is not None and slot[1] is None and shared:
+        start = -(-nbytes // _ALIGN) * _ALIGN
+        buf = alloc_bytes(start + slot[0], True)
+        slot[1] = buf[start:]
+        buf = buf[:nbytes]
+    else:
+        buf = alloc_bytes(nbytes, shared)
     return buf.numpy().view(dtype).reshape(shape)
+
+
+def batch_tensor(a: np.ndarray) -> torch.Tensor:
+    """Returns ``a`` (from ``empty_batch``) as a tensor on the same memory: a view of the
+    shared-memory block where ``a`` is one, so sending it to the main process moves only a
+    descriptor (``torch.from_numpy`` would make a private storage, which pickling copies into
+    a new shared block)."""
+    t = torch.from_numpy(a)
+    root = a
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    if not isinstance(root, torch.Tensor) or not a.flags.c_contiguous:
+        return t
+    storage = root.untyped_storage()
+    offset = a.__array_interface__["data"][0] - storage.data_ptr()
+    if offset % a.dtype.itemsize or not 0 <= offset <= storage.nbytes() - a.nbytes:
+        return t
+    return torch.empty(0, dtype=t.dtype).set_(storage, offset // a.dtype.itemsize, t.shape)

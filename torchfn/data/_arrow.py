@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._alloc import empty_batch
+from ._alloc import batch_tensor, empty_batch
 from ._fsio import is_url, open_binary
 from ._shmcache import SharedDecodeCache
 from ._sources import _as_ids, _digest, _expand, collate_values
@@ -139,6 +139,8 @@ class _ArrowSource:
             raise ValueError(f"{self._who}(cache_units={cache_units!r}): expected an int >= 1")
         self.cache_units = cache_units
         self._cache: OrderedDict[int, tuple[Any, dict[str, np.ndarray | None]]] = OrderedDict()
+        self._ahead: dict[int, Any] = {}  # unit -> Future of its decode (``prefetch``)
+        self._pool: tuple[int, Any] | None = None  # (pid, executor) of the decode-ahead thread
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -153,7 +155,14 @@ class _ArrowSource:
         if hit is not None:
             self._cache.move_to_end(unit)
             return hit
-        hit = self._decode_unit(unit)
+        fut = self._ahead.pop(unit, None)
+        if fut is not None:
+            try:
+                hit = fut.result()  # None: another process decodes it (shared cache)
+            except Exception:
+                hit = None  # decoded again below, which raises the error here
+        if hit is None:
+            hit = self._decode_unit(unit)
         self._cache[unit] = hit
         while len(self._cache) > self.cache_units:
             self._evicted(self._cache.popitem(last=False)[0])
@@ -166,6 +175,35 @@ class _ArrowSource:
 
     def _evicted(self, unit: int) -> None:
         pass
+
+    def _decode_ahead(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]] | None:
+        """Runs in the decode-ahead thread: the unit as ``_unit`` caches it, or None."""
+        raise NotImplementedError
+
+    def _prefetch(self, ids: Any) -> None:
+        """Starts decoding the units of ``ids`` in a background thread (see ``prefetch``)."""
+        ids = _as_ids(ids)
+        if not ids.size:
+            return
+        if ids.min() < 0 or ids.max() >= len(self):
+            raise IndexError(f"{self._who}.prefetch: ids must lie in [0, {len(self)})")
+        units = np.searchsorted(self._starts, ids, side="right") - 1
+        _, first = np.unique(units, return_index=True)
+        order = units[np.sort(first)].tolist()  # in the order they are needed
+        wanted = set(order)
+        for u in [u for u in self._ahead if u not in wanted]:  # plans changed: drop them
+            del self._ahead[u]
+        if self._pool is None or self._pool[0] != os.getpid():  # none yet, or forked
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="torchfn-ahead"))
+            self._ahead = {}
+            self.__dict__.pop("_pfiles_ahead", None)  # the thread opens its own files
+        for u in order:
+            if len(self._ahead) > self.cache_units // 2:
+                break
+            if u not in self._cache and u not in self._ahead:
+                self._ahead[u] = self._pool[1].submit(self._decode_ahead, u)
 
     def read(self, ids: Any) -> dict[str, Any]:
         ids = _as_ids(ids)
@@ -193,7 +231,7 @@ class _ArrowSource:
                 for u, a in zip(uniq, arrays, strict=True):
                     rows = np.flatnonzero(units == u)
                     dst[rows] = a[ids[rows] - self._starts[u]]  # type: ignore[index]
-            out[c] = torch.from_numpy(dst)
+            out[c] = batch_tensor(dst)
         if slow:  # strings, ragged lists, nulls, shapes that differ between units
             pa = _pyarrow(self._who)
             order = np.argsort(units, kind="stable")
@@ -210,7 +248,7 @@ class _ArrowSource:
         return {k: v[0] for k, v in self.read([i]).items()}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": OrderedDict()}
+        return {**self.__dict__, "_cache": OrderedDict(), "_ahead": {}, "_pool": None}
 
 
 def _parquet_file(pa: Any, path: str) -> Any:
@@ -230,14 +268,21 @@ class ParquetSource(_ArrowSource):
     The default ``cache_units`` covers two windows of ``StreamingDataset``'s default
     ``shuffle_buffer`` (twice the largest row group), so each row group is read once per epoch
     per worker; with a larger ``shuffle_buffer`` pass ``cache_units >= 2 * shuffle_buffer /
-    rows per group + 2`` (memory: that many decoded row groups per worker).
+    rows per group + 2`` (memory: that many decoded row groups per worker, plus up to
+    ``cache_units // 2 + 1`` decoded ahead).
 
     ``shared_cache=True`` (default; Linux/macOS): DataLoader workers share decoded row groups
     through ``.npy`` files in ``/dev/shm`` (``_shmcache.py``): the first worker that needs a
     row group decodes it under a file lock, the others map it, so each row group is decoded
     about once per epoch in all instead of once per worker. The directory is removed when the
     process that created the source drops it or exits (a killed process leaves
-    ``/dev/shm/torchfn-parquet-*``). ``shared_cache=False``: each process decodes for itself.
+    ``/dev/shm/torchfn-parquet-*``); that process itself (``num_workers=0``) decodes for
+    itself. ``shared_cache=False``: each process decodes for itself.
+
+    Row groups are decoded ahead in a background thread (pyarrow releases the GIL) when
+    ``StreamingDataset`` announces the next ids (``prefetch``); with the shared cache each
+    worker's thread skips row groups another worker is decoding, so the workers split the
+    decoding between them instead of waiting on each other.
 
     ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list (local paths or
     fsspec URLs, e.g. ``memory://``, ``s3://``; URLs need ``fsspec``). ``columns``: the
@@ -286,25 +331,66 @@ class ParquetSource(_ArrowSource):
         self._fp = _digest(meta, str(schema))
         self._shared = SharedDecodeCache(self, "parquet") if shared_cache else None
 
+    def _sharing(self) -> SharedDecodeCache | None:
+        # the process that made the source has no one to share with: its child processes
+        # (DataLoader workers, write_shards' processes) share what they decode
+        shared = self._shared
+        return shared if shared is not None and shared.owner != os.getpid() else None
+
     def _decode_unit(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]]:
-        if self._shared is None:
+        shared = self._sharing()
+        if shared is None:
             return super()._decode_unit(unit)
         pa = _pyarrow(self._who)
         def decode() -> dict[str, np.ndarray | None]:
             table = self._table(unit)
             return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
 
-        arrays = self._shared.get(unit, self.columns, decode)
+        arrays = shared.get(unit, self.columns, decode)
+        assert arrays is not None
         return None, arrays  # the table is read again only for columns not shared (strings)
 
-    def _evicted(self, unit: int) -> None:
-        if self._shared is not None:
-            self._shared.evict(unit, self.columns)
+    def prefetch(self, ids: Any) -> None:
+        """Returns None at once, having started to decode, in a background thread, the row
+        groups of the ``(n,)`` int64 ``ids`` about to be read (``StreamingDataset`` passes the
+        next ids of its plan), so ``read`` finds them decoded; at most ``cache_units // 2 + 1``
+        row groups are decoded ahead. The samples read do not change.
 
-    def _table(self, unit: int) -> Any:
+        Example:
+            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> path = tempfile.mkdtemp() + "/a.parquet"
+            >>> pq.write_table(pa.table({"x": [1.0, 2.0, 3.0]}), path, row_group_size=2)
+            >>> src = ParquetSource(path)
+            >>> src.prefetch([2, 0])
+            >>> src.read([2, 0])["x"].tolist()
+            [3.0, 1.0]
+        """
+        self._prefetch(ids)
+
+    def _decode_ahead(self, unit: int) -> tuple[Any, dict[str, np.ndarray | None]] | None:
+        # own open files (a ParquetFile is not shared between threads); with the shared cache
+        # a unit another process is decoding is skipped (the reader maps it when it needs it)
+        pa = _pyarrow(self._who)
+        def decode() -> dict[str, np.ndarray | None]:
+            table = self._table(unit, "_pfiles_ahead")
+            return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
+
+        shared = self._sharing()
+        if shared is None:
+            table = self._table(unit, "_pfiles_ahead")
+            return table, {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
+        arrays = shared.get(unit, self.columns, decode, wait=False)
+        return None if arrays is None else (None, arrays)
+
+    def _evicted(self, unit: int) -> None:
+        shared = self._sharing()
+        if shared is not None:
+            shared.evict(unit, self.columns)
+
+    def _table(self, unit: int, files: str = "_pfiles") -> Any:
         pa = _pyarrow(self._who)
         f, g = self._units[unit]
-        pfiles = self.__dict__.setdefault("_pfiles", OrderedDict())
+        pfiles = self.__dict__.setdefault(files, OrderedDict())
         pf = pfiles.get(f)
         if pf is None:  # footers parsed once per file per process (a few files kept open)
             pf = pfiles[f] = _parquet_file(pa, self.files[f])
@@ -315,7 +401,8 @@ class ParquetSource(_ArrowSource):
         return pf.read_row_group(g, columns=self.columns, use_threads=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_pfiles": OrderedDict()}
+        return {**super().__getstate__(), "_pfiles": OrderedDict(),
+                "_pfiles_ahead": OrderedDict()}
 
     def fingerprint(self) -> str:
         return self._fp

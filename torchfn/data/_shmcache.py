@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -44,11 +45,33 @@ def _remove_if_owner(path: str, owner: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _map_npy(path: str) -> np.ndarray:
+    """Returns the ``.npy`` file at ``path`` as a read-only memory-mapped array, its pages
+    mapped up front (``MAP_POPULATE`` where there is one: one call instead of a page fault per
+    page on first touch)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        header = {(1, 0): np.lib.format.read_array_header_1_0,
+                  (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if header is None:
+            return np.load(path, mmap_mode="r")
+        shape, fortran, dtype = header(f)
+        offset = f.tell()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0 or dtype.hasobject:
+            return np.load(path, mmap_mode="r")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(f.fileno(), offset + nbytes, flags=flags, prot=mmap.PROT_READ)
+    a = np.frombuffer(m, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset)
+    return a.reshape(shape, order="F" if fortran else "C")
+
+
 class SharedDecodeCache:
     """Shared ``{column: array or None}`` per unit; ``None`` where sharing is unavailable."""
 
     def __init__(self, owner_obj: Any, tag: str) -> None:
         root = _shm_root()
+        self.owner = os.getpid()  # the process that made it (and removes the directory)
         self.path: str | None = None
         if fcntl is None or root is None:
             return
@@ -60,15 +83,17 @@ class SharedDecodeCache:
         try:
             with open(os.path.join(self.path, f"{unit}.json")) as f:
                 shared = json.load(f)
-            return {c: (np.load(os.path.join(self.path, f"{unit}-{i}.npy"), mmap_mode="r")
+            return {c: (_map_npy(os.path.join(self.path, f"{unit}-{i}.npy"))
                         if c in shared else None) for i, c in enumerate(columns)}
         except (FileNotFoundError, ValueError):
             return None
 
     def get(self, unit: int, columns: list[str],
-            decode: Callable[[], dict[str, np.ndarray | None]]) -> dict[str, np.ndarray | None]:
+            decode: Callable[[], dict[str, np.ndarray | None]],
+            wait: bool = True) -> dict[str, np.ndarray | None] | None:
         """Returns unit ``unit``'s decoded columns: mapped from shared memory, or decoded here
-        (``decode()``) and shared."""
+        (``decode()``) and shared. ``wait=False``: None instead of waiting while another
+        process (or thread) decodes it."""
         if self.path is None:
             return decode()
         hit = self._load(unit, columns)
@@ -76,7 +101,10 @@ class SharedDecodeCache:
             return hit
         os.makedirs(self.path, exist_ok=True)
         with open(os.path.join(self.path, f"{unit}.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None
             try:
                 hit = self._load(unit, columns)  # decoded by another process meanwhile
                 if hit is not None:

@@ -12,7 +12,10 @@ epoch and resumes mid-epoch exactly, as ``.tfs`` shards do. The protocol (``Samp
   tensor}`` for fields of one shape and dtype, else ``{field: list}``;
 - ``read_sample(i)``: sample ``i`` as ``{field: value}``;
 - ``fingerprint()``: a short string that changes when the data does (checked on resume);
-- ``describe()``: a short description for error messages.
+- ``describe()``: a short description for error messages;
+- optional ``prefetch(ids)``: a hint that ``ids`` are read next (``StreamingDataset`` passes
+  about a shuffle window of its plan ahead); it must return at once and must not change what
+  ``read`` returns (``ParquetSource`` decodes the row groups in a background thread).
 
 Readers here: ``ShardSource`` (a ``.tfs`` directory: the adapter) and ``NumpySource`` (arrays,
 memory maps, ``.npy`` paths); ``TarSource`` (webdataset-style tar shards) is in ``_tar.py``,
@@ -32,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ._alloc import empty_batch
+from ._alloc import batch_tensor, empty_batch
 from ._fsio import RemoteNpy, expand, is_url
 from ._shards import ShardReader, read_manifest
 
@@ -275,7 +278,7 @@ class NumpySource:
             # a DataLoader worker: no further copy when it is handed over)
             dst = empty_batch(rows.shape, rows.dtype)
             dst[order] = rows
-            out[name] = torch.from_numpy(dst)
+            out[name] = batch_tensor(dst)
         return out
 
     def read_sample(self, i: int) -> dict[str, Any]:

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import numpy.ma  # np.unique imports it on first use (10-30 ms): forked workers inherit it
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from torchfn._checks import _check_rank
 
 from ._alloc import alloc_bytes as _alloc_bytes
+from ._alloc import reserve_tail, take_tail
 from ._plan import Policy, plan
 from ._shards import (
     _DTYPES,
@@ -89,6 +91,10 @@ class StreamingDataset(IterableDataset):
             which shortens that rank's epoch: call ``verify()`` first to find them up front.
         meta: add ``"id"``, ``"padded"``, ``"rank"``, ``"worker"``, ``"position"`` to batches
             (``padded`` marks ``policy="pad"`` repeats, to mask them out of a loss).
+
+    In DataLoader workers a batch from a source keeps its ``"label"`` in the shared-memory
+    block of its first field (one block, one descriptor handed to the main process per
+    batch): ``torch.save`` of the label tensor alone saves that block; ``clone()`` it first.
 
     Example:
         >>> import tempfile, torch
@@ -348,14 +354,24 @@ class StreamingDataset(IterableDataset):
             return self._collate_samples(ids)
         in_worker = get_worker_info() is not None
         if self.source is not None:
-            out = dict(self.source.read(ids))
-            if self.labels is not None:
-                out["label"] = self._labels(ids, in_worker)
+            if self.labels is None:
+                return dict(self.source.read(ids))
+            if not in_worker:
+                return {**self.source.read(ids), "label": self._labels(ids, False)}
+            # the labels go into the source's first batch buffer: one shared-memory block
+            # (one descriptor handed to the main process) instead of two
+            reserve_tail(8 * len(ids))
+            try:
+                out = dict(self.source.read(ids))
+            finally:
+                tail = take_tail()
+            out["label"] = self._labels(ids, in_worker, tail)
             return out
         shards, local = self._locate(ids)
         uniq = np.unique(shards).tolist()
         readers = {s: self._reader(s) for s in uniq}
         out: dict[str, Any] = {}
+        tail = None  # the labels, in the first field's block (one descriptor per batch)
         for name in readers[uniq[0]].fields:
             srcs = {s: r.fixed(name) for s, r in readers.items()}
             if any(v is None for v in srcs.values()) or len(
@@ -367,7 +383,12 @@ class StreamingDataset(IterableDataset):
             src0 = srcs[uniq[0]]
             shape = (len(ids), *src0.shape[1:])
             nbytes = int(np.prod(shape)) * src0.element_size()
-            dst = _alloc_bytes(nbytes, in_worker).view(src0.dtype).view(shape)
+            if tail is None and in_worker:
+                start = -(-nbytes // 64) * 64
+                block = _alloc_bytes(start + 8 * len(ids), True)
+                tail, dst = block[start:], block[:nbytes].view(src0.dtype).view(shape)
+            else:
+                dst = _alloc_bytes(nbytes, in_worker).view(src0.dtype).view(shape)
             if len(uniq) == 1:
                 torch.index_select(src0, 0, torch.from_numpy(local), out=dst)
             else:
@@ -375,14 +396,16 @@ class StreamingDataset(IterableDataset):
                     rows = np.flatnonzero(shards == s)
                     dst[torch.from_numpy(rows)] = srcs[s][torch.from_numpy(local[rows])]
             out[name] = dst
-        out["label"] = self._labels(ids, in_worker)
+        out["label"] = self._labels(ids, in_worker, tail)
         return out
 
-    def _labels(self, ids: np.ndarray, shared: bool) -> torch.Tensor:
+    def _labels(self, ids: np.ndarray, shared: bool,
+                buf: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the ``(b,)`` int64 labels of ``ids`` (in shared memory in a worker, like the
-        fields: a plain tensor would be copied into a new shared segment when sent)."""
+        fields: a plain tensor would be copied into a new shared segment when sent), written
+        into ``buf`` (``8 * b`` bytes) when given."""
         assert self.labels is not None
-        out = _alloc_bytes(8 * len(ids), shared).view(torch.int64)
+        out = (_alloc_bytes(8 * len(ids), shared) if buf is None else buf).view(torch.int64)
         np.take(self.labels, ids, out=out.numpy())
         return out
 
@@ -415,7 +438,11 @@ class StreamingDataset(IterableDataset):
                 return None
         n = len(ids)
         shared = get_worker_info() is not None
-        bufs = {name: _alloc_bytes(n * nb, shared) for name, _dt, _shape, nb in key}
+        starts, total = {}, 0  # the fields and the labels in one block: one descriptor
+        for name, _dt, _shape, nb in key:
+            starts[name], total = total, total + -(-(n * nb) // 64) * 64
+        block = _alloc_bytes(total + 8 * n, shared)
+        bufs = {name: block[starts[name]:starts[name] + n * nb] for name, _dt, _shape, nb in key}
         views = {name: memoryview(b.numpy()) for name, b in bufs.items()}
         for r, a, b in zip(readers, cuts[:-1], cuts[1:], strict=True):
             rows = order[a:b]
@@ -424,7 +451,7 @@ class StreamingDataset(IterableDataset):
         out: dict[str, Any] = {
             name: bufs[name].view(_DTYPES[dt]).view(n, *shape) for name, dt, shape, _nb in key
         }
-        out["label"] = self._labels(ids, shared)
+        out["label"] = self._labels(ids, shared, block[total:])
         return out
 
     def _collate_samples(self, ids: np.ndarray) -> dict[str, Any]:
@@ -456,10 +483,19 @@ class StreamingDataset(IterableDataset):
         chunk = p.positions // self.batch_size
         bounds = np.flatnonzero(np.diff(chunk)) + 1
         edges = [0, *bounds.tolist(), len(chunk)]
+        # a source that decodes ahead (``prefetch``, optional) is told the next ids (a shuffle
+        # window's worth, again each half window; it bounds what it starts); what is read does
+        # not change
+        ahead = getattr(self.source, "prefetch", None) if self.source is not None else None
+        look = self.shuffle_buffer or 2 * max(max(self.shard_sizes, default=1), 1)
+        told = -1
         for a, b in itertools.pairwise(edges):
             c = int(chunk[a])
             if c < first_chunk:
                 continue
+            if ahead is not None and a >= told:
+                ahead(p.ids[a:a + look])
+                told = a + max(look // 2, 1)
             ids, padded, pos = p.ids[a:b], p.padded[a:b], p.positions[a:b]
             batch = None
             if self.batched and self.transform is None and len(ids):

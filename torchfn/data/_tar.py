@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ._alloc import empty_batch
+from ._alloc import batch_tensor, empty_batch
 from ._fsio import file_size, is_url, open_binary, read_range
 from ._sources import _as_ids, _digest, _expand, collate_values
 
@@ -131,7 +131,7 @@ def _npy_batch(members: list[bytes]) -> torch.Tensor | None:
     dst = empty_batch((len(members), *lay.shape), lay.dtype)
     for j, d in enumerate(members):
         dst[j] = _npy_payload(d, lay)
-    return torch.from_numpy(dst)
+    return batch_tensor(dst)
 
 
 class TarError(RuntimeError):
@@ -370,7 +370,7 @@ class TarSource:
             if os.preadv(fd, [scratch, flat[j * nb : (j + 1) * nb]], off) != size or (
                     scratch != header):
                 return None
-        return torch.from_numpy(dst)
+        return batch_tensor(dst)
 
     def key(self, i: int) -> str:
         """Returns the webdataset key of sample ``i`` (e.g. ``"000123"``)."""
