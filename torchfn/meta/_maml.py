@@ -384,7 +384,6 @@ class MetaLearner:
         wrt: Collection[str] | None, loss_scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
-        fixed = {k: v for k, v in meta_params.items() if k not in names}
 
         def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
             if self._use_regions(meta_params):
@@ -400,20 +399,10 @@ class MetaLearner:
                     g = {k: v * loss_scale.to(v.dtype) for k, v in g.items()}
                 return g, loss_t.sum(), buf_t
 
-            def chunk_loss(p: TensorDict) -> tuple[Tensor, Any]:
-                merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
-                loss_t, buf_t = self._task_vmap(self.task_loss)(merged, buffers, chunk)
-                loss = loss_t.sum()
-                if loss_scale is not None:
-                    loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
-                    return loss * loss_scale, (loss.detach(), buf_t)
-                return loss, (loss.detach(), buf_t)
-
-            with _part("torchfn.outer_grad"):
-                g, (_, (lsum, buf_t)) = grad_and_value(chunk_loss, has_aux=True)(
-                    {k: meta_params[k] for k in names}
-                )
-            return g, lsum, buf_t
+            return task_loss_grad(
+                meta_params, names,
+                lambda merged: self._task_vmap(self.task_loss)(merged, buffers, chunk),
+                loss_scale)
 
         return self._sum_over_chunks(meta_params, buffers, tasks, names, chunk_grad)
 
@@ -542,6 +531,31 @@ def _check_compile_regions(compile_regions: Any, model_fn: Any, *, reptile: bool
             "'torch.Tensor'>); write model_fn as a pure function of (params, buffers, x) "
             "(torch.nn.functional ops), or use compile_regions=False"
         )
+
+
+def task_loss_grad(
+    meta_params: Mapping[str, Tensor], names: list[str],
+    task_losses: Callable[[TensorDict], tuple[Tensor, Any]], loss_scale: Tensor | None,
+) -> tuple[TensorDict, Tensor, Any]:
+    """Return ``(grads, loss_sum, aux)``: the gradient of ``sum_t loss_t`` w.r.t. the
+    meta-params ``names`` (times ``loss_scale`` when given; fp16), the detached ``sum_t
+    loss_t`` and ``aux``, for ``task_losses(all meta-params) -> ((T,) losses, aux)``; the
+    meta-params not in ``names`` enter as constants."""
+    fixed = {k: v for k, v in meta_params.items() if k not in names}
+
+    def total(p: TensorDict) -> tuple[Tensor, Any]:
+        merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
+        loss_t, aux = task_losses(merged)
+        loss = loss_t.sum()
+        if loss_scale is not None:
+            loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
+            return loss * loss_scale, (loss.detach(), aux)
+        return loss, (loss.detach(), aux)
+
+    with _part("torchfn.outer_grad"):
+        g, (_, (lsum, aux)) = grad_and_value(total, has_aux=True)(
+            {k: meta_params[k] for k in names})
+    return g, lsum, aux
 
 
 def _mean_buffers(chunks: list[Mapping[str, Tensor]], buffers: Mapping[str, Tensor]) -> TensorDict:

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad, grad_and_value, vmap
+from torch.func import grad, vmap
 
 from torchfn._checks import _call_model, _call_translated, _part
 from torchfn.functional import BatchNorm
-from torchfn.meta._maml import LR_PREFIX, MetaLearner
+from torchfn.meta._maml import LR_PREFIX, MetaLearner, task_loss_grad
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
 __all__ = ["LSLR_PREFIX", "STEP_KEY", "MamlPlusPlus", "batchnorm_names", "maml_plus_plus",
@@ -208,9 +208,7 @@ class MamlPlusPlus(MetaLearner):
         if bad:
             raise ValueError(f"MamlPlusPlus.init(params): names may not start with "
                              f"{LSLR_PREFIX!r} or {LR_PREFIX!r}, got {bad}")
-        meta = {k: v.detach().clone() for k, v in params.items()}
-        for k in self.per_step & set(meta):
-            meta[k] = meta[k].unsqueeze(0).repeat(self.inner_steps, *([1] * meta[k].dim()))
+        meta = self._stack_per_step(params)
         if self.lslr:
             for k in self.adapted_names(meta):
                 meta[LSLR_PREFIX + k] = torch.full((self.inner_steps,), float(self.inner_lr),
@@ -242,13 +240,18 @@ class MamlPlusPlus(MetaLearner):
             if missing:
                 raise ValueError(f"maml_plus_plus(per_step_bn=...): {missing} are neither "
                                  f"parameters {sorted(params)} nor buffers {sorted(buffers)}")
-        out = {k: v.detach().clone() for k, v in buffers.items()}
-        for k in self.per_step & set(out):
-            out[k] = out[k].unsqueeze(0).repeat(self.inner_steps, *([1] * out[k].dim()))
+        out = self._stack_per_step(buffers)
         if self.needs_step:
             devs = [v.device for v in (*buffers.values(), *(params or {}).values())]
             out[STEP_KEY] = torch.zeros((), dtype=torch.long,
                                         device=devs[0] if devs else None)
+        return out
+
+    def _stack_per_step(self, tree: Mapping[str, Tensor]) -> TensorDict:
+        """Detached copies of ``tree``; the per-step entries repeated ``(inner_steps, ...)``."""
+        out = {k: v.detach().clone() for k, v in tree.items()}
+        for k in self.per_step & set(out):
+            out[k] = out[k].unsqueeze(0).repeat(self.inner_steps, *([1] * out[k].dim()))
         return out
 
     def _check_state(self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
@@ -470,21 +473,12 @@ class MamlPlusPlus(MetaLearner):
         self._check_state(meta_params, buffers, where)
         n = n_tasks(tasks)
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
-        fixed = {k: v for k, v in meta_params.items() if k not in names}
-
-        def total_loss(p: TensorDict) -> tuple[Tensor, Any]:
-            merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
-            loss_t, buf_t = self._vmapped(merged, buffers, tasks)
-            loss = loss_t.sum()
-            if loss_scale is not None:
-                loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
-                return loss * loss_scale, (loss.detach(), buf_t)
-            return loss, (loss.detach(), buf_t)
 
         def run() -> tuple[TensorDict, Tensor, TensorDict]:
-            with self._attention_backend(), _part("torchfn.outer_grad"):
-                g, (_, (lsum, buf_t)) = grad_and_value(total_loss, has_aux=True)(
-                    {k: meta_params[k] for k in names})
+            with self._attention_backend():
+                g, lsum, buf_t = task_loss_grad(
+                    meta_params, names,
+                    lambda merged: self._vmapped(merged, buffers, tasks), loss_scale)
             return ({k: g[k] / n for k in names}, lsum / n, self._new_buffers(buffers, buf_t))
 
         return _call_translated(where, run)

@@ -27,10 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.func import grad_and_value
 
-from torchfn._checks import _call_model, _call_translated, _part
-from torchfn.meta._maml import MetaLearner
+from torchfn._checks import _call_model, _call_translated
+from torchfn.meta._maml import MetaLearner, task_loss_grad
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
 __all__ = ["MetricLearner", "matching_net", "protonet"]
@@ -189,21 +188,12 @@ class MetricLearner(MetaLearner):
         self._check_labels(tasks, where)
         n = n_tasks(tasks)
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
-        fixed = {k: v for k, v in meta_params.items() if k not in names}
-
-        def total_loss(p: TensorDict) -> tuple[Tensor, Any]:
-            merged = {k: p[k] if k in p else fixed[k] for k in meta_params}
-            loss_t, buf_t = self._task_vmap(self.task_loss)(merged, buffers, tasks)
-            loss = loss_t.sum()
-            if loss_scale is not None:
-                loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
-                return loss * loss_scale, (loss.detach(), buf_t)
-            return loss, (loss.detach(), buf_t)
 
         def run() -> tuple[TensorDict, Tensor, TensorDict]:
-            with _part("torchfn.outer_grad"):
-                g, (_, (lsum, buf_t)) = grad_and_value(total_loss, has_aux=True)(
-                    {k: meta_params[k] for k in names})
+            g, lsum, buf_t = task_loss_grad(
+                meta_params, names,
+                lambda merged: self._task_vmap(self.task_loss)(merged, buffers, tasks),
+                loss_scale)
             return {k: g[k] / n for k in names}, lsum / n, self._new_buffers(buffers, buf_t)
 
         return _call_translated(where, run)
