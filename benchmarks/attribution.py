@@ -24,8 +24,24 @@ Rows, each computing the whole ``(n_train, n_query)`` matrix once per timed call
 - ``materialized``: the textbook route: ``torch.func.vmap(torch.func.grad(loss))`` per-sample
   gradients of the query set flattened to ``(n_query, P)`` (in chunks), then per train chunk
   its ``(chunk, P)`` gradients and one ``(chunk, P) @ (P, n_query)`` matmul;
-- ``kronfluence``, ``trak``: recorded as "not installed" unless the package imports (no
-  adapter is written for them yet; an installed package is reported as such, not timed).
+- ``kronfluence`` (EK-FAC, its default) and ``kronfluence-identity`` (factor strategy
+  ``identity``): kronfluence's own pipeline on the same model and data: a ``Task`` (train loss
+  the summed cross-entropy, labels sampled from the model's softmax when kronfluence fits its
+  true-Fisher factors; measurement the query's summed cross-entropy), ``prepare_model``,
+  ``Analyzer.fit_all_factors`` on the train set (``per_device_batch_size=chunk``), then
+  ``compute_pairwise_scores`` query x train (query batch ``--kf-query-batch``, default all
+  queries: one pass over the train set; train batch ``chunk``); output under a temporary
+  directory, progress bars and info logs off. Inputs are CPU ``TensorDataset``s that its
+  DataLoader batches and moves to the device (its usual input path). Timed: ``--kf-warmup``
+  runs (the first reported as "first call"), then the median of ``--kf-repeats`` runs, the
+  factor fit and the pairwise scores each timed too. EK-FAC computes influence
+  ``g_q^T (F + damping I)^-1 g_i``, not ``<g_i, g_q>``: time is compared only. ``identity``
+  applies no preconditioning, so it gives plain ``<g_i, g_q>`` over the parameters kronfluence
+  tracks (``nn.Linear``, ``nn.Conv2d``: all of the CNN's; the transformer without its
+  embeddings and LayerNorms): checked against torchfn's ``grad_inner_products(per_layer=True)``
+  summed over those layers (untimed), and for the CNN against the torchfn row's matrix too;
+- ``trak``: recorded as "not installed" unless the package imports (no adapter yet; an
+  installed package is reported as such, not timed).
 
 Correctness first: every row's matrix is compared with the materialised one (max |diff| / max
 |S|), and a float64 check runs both routes on the first ``8 x 4`` samples (a float64 copy of
@@ -38,6 +54,24 @@ after every row, so a run cut short keeps what it measured.
     python benchmarks/attribution.py --train 10000 --query 1000 --json attribution.json \\
         --md benchmarks/results/attribution-h100.md
     python benchmarks/attribution.py --tiny --device cpu          # CPU smoke test
+
+kronfluence 1.0.1 (not a torchfn dependency) with everything it imports beyond torch, einops
+and numpy (torchfn's own), tested on torch 2.13 CPU with all other packages blocked
+(torchvision, huggingface_hub and psutil are in its or accelerate's metadata but never
+imported): ``kronfluence-1.0.1-py3-none-any.whl``, ``einconv-0.1.0-py3-none-any.whl``,
+``opt_einsum-3.4.0-py3-none-any.whl``, ``accelerate-1.15.0-py3-none-any.whl``,
+``safetensors-0.8.0-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl``,
+``tqdm-4.70.1-py3-none-any.whl``, ``packaging-26.4-py3-none-any.whl``,
+``pyyaml-6.0.4-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl``
+(plus ``numpy-2.4.6-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl`` where numpy
+is missing). Installed beside torch without touching it, then put after the repository::
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+        kronfluence==1.0.1 einconv==0.1.0 opt-einsum==3.4.0 accelerate==1.15.0 \
+        safetensors==0.8.0 tqdm==4.70.1 packaging==26.4 pyyaml==6.0.4
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attribution.py ...
 """
 
 from __future__ import annotations
@@ -49,7 +83,9 @@ import json
 import math
 import platform
 import shlex
+import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -64,13 +100,13 @@ from torch.func import functional_call, grad, vmap
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import device_name, set_tf32_off, time_calls
+from _bench import Timing, device_name, set_tf32_off, sync, time_calls
 from persample import CNN
 
 from torchfn.persample import _ghost_grads, grad_inner_products, make_ghost_model
 
 WORKLOADS = ("cnn", "transformer")
-METHODS = ("torchfn-ghost", "materialized", "kronfluence", "trak")
+METHODS = ("torchfn-ghost", "materialized", "kronfluence", "kronfluence-identity", "trak")
 GOAL_SPEEDUP = 5.0
 CHECK_TRAIN, CHECK_QUERY = 8, 4  # the float64 check's sizes
 
@@ -182,6 +218,134 @@ def v_materialized(model: nn.Module, data: tuple[Tensor, ...], chunk: int
     return run, {}
 
 
+# --- kronfluence: its own pipeline (Task, prepare_model, Analyzer), timed in two phases
+
+
+KF_STRATEGY = {"kronfluence": "ekfac", "kronfluence-identity": "identity"}
+
+
+def _kf_task(kronfluence: Any) -> Any:
+    """kronfluence's ``Task`` for the script's loss: summed cross-entropy for training (labels
+    sampled from the model's softmax when kronfluence asks, ``sample=True``: the true Fisher of
+    its EK-FAC factors), the query's summed cross-entropy as the measurement. Per-sample
+    gradients of a summed loss are those of each sample's own loss, as in the other rows."""
+
+    class XentTask(kronfluence.Task):
+        def compute_train_loss(self, batch: Any, model: nn.Module, sample: bool = False
+                               ) -> Tensor:
+            x, y = batch
+            logits = model(x)
+            if sample:
+                with torch.no_grad():
+                    y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten()
+            return F.cross_entropy(logits, y, reduction="sum")
+
+        def compute_measurement(self, batch: Any, model: nn.Module) -> Tensor:
+            x, y = batch
+            return F.cross_entropy(model(x), y, reduction="sum")
+
+    return XentTask()
+
+
+def v_kronfluence(model: nn.Module, data: tuple[Tensor, ...], chunk: int, strategy: str,
+                  device: torch.device, query_batch: int, workdir: Path
+                  ) -> tuple[Callable[[], tuple[Tensor, float, float]], dict[str, Any]]:
+    """kronfluence's standard pipeline on ``model`` (wrapped in place by ``prepare_model``):
+    ``Analyzer.fit_all_factors`` (``strategy``) on the train set, then
+    ``compute_pairwise_scores`` query x train. The returned callable runs both (outputs
+    overwritten under ``workdir``) and gives ``(S (n_train, n_query), fit_s, score_s)``.
+    Datasets are CPU ``TensorDataset``s that kronfluence's DataLoader batches and moves to the
+    device (its usual input path); train batches of ``chunk``, query batches of
+    ``query_batch``; factors and scores in fp32 (its defaults, eigendecomposition fp64)."""
+    import logging
+    import warnings
+
+    import kronfluence
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.module import TrackedModule
+    from kronfluence.utils.dataset import DataLoaderKwargs
+
+    xs, ys, xq, yq = (t.cpu() for t in data)
+    train = torch.utils.data.TensorDataset(xs, ys)
+    query = torch.utils.data.TensorDataset(xq, yq)
+    task = _kf_task(kronfluence)
+    model = prepare_model(model.eval(), task)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.cuda.amp.GradScaler deprecation and the like
+        analyzer = Analyzer(analysis_name="attribution", model=model, task=task,
+                            cpu=device.type == "cpu", log_level=logging.WARNING,
+                            disable_tqdm=True, output_dir=str(workdir))
+    loader = DataLoaderKwargs(num_workers=0)
+    factor_args = FactorArguments(strategy=strategy)
+    score_args = ScoreArguments()
+
+    def run() -> tuple[Tensor, float, float]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            analyzer.fit_all_factors(factors_name=strategy, dataset=train,
+                                     per_device_batch_size=chunk, dataloader_kwargs=loader,
+                                     factor_args=factor_args, overwrite_output_dir=True)
+            sync(device)
+            t1 = time.perf_counter()
+            analyzer.compute_pairwise_scores(
+                scores_name=strategy, factors_name=strategy, query_dataset=query,
+                train_dataset=train, per_device_query_batch_size=query_batch,
+                per_device_train_batch_size=chunk, dataloader_kwargs=loader,
+                score_args=score_args, overwrite_output_dir=True)
+            s = analyzer.load_pairwise_scores(scores_name=strategy)["all_modules"]
+            s = s.to(device).T  # kronfluence's (n_query, n_train) -> (n_train, n_query)
+            sync(device)
+            t2 = time.perf_counter()
+        return s, t1 - t0, t2 - t1
+
+    tracked = [m for m in model.modules() if isinstance(m, TrackedModule)]
+    return run, {"kronfluence_strategy": strategy, "query_batch": query_batch,
+                 "tracked_modules": len(tracked),
+                 "tracked_params": sum(p.numel() for m in tracked
+                                       for p in m.original_module.parameters())}
+
+
+def measure_kf(fn: Callable[[], tuple[Tensor, float, float]], device: torch.device,
+               warmup: int, repeats: int) -> tuple[dict[str, float], Tensor]:
+    """``warmup`` untimed-for-the-median runs (the first one reported as "first call"), then
+    ``repeats`` runs: medians of the whole pipeline, of its factor fit and of its scores."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first: Any = None
+    fits, scores_s, totals = [], [], []
+    for i in range(warmup + repeats):
+        s, fit_s, score_s = fn()
+        if i == 0:
+            first, first_s = s.detach(), fit_s + score_s
+        if i >= warmup:
+            fits.append(fit_s)
+            scores_s.append(score_s)
+            totals.append(fit_s + score_s)
+        del s
+    t = Timing(totals, first_s)
+    out = {"median_s": t.median_s, "p10_s": t.quantile_s(0.1), "p90_s": t.quantile_s(0.9),
+           "first_call_s": first_s, "fit_median_s": statistics.median(fits),
+           "score_median_s": statistics.median(scores_s)}
+    if device.type == "cuda":
+        out["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out, first
+
+
+def tracked_reference(model: nn.Module, data: tuple[Tensor, ...], chunk: int) -> Tensor:
+    """torchfn's ``(n_train, n_query)`` inner products over the parameters kronfluence tracks
+    (its ``nn.Linear`` and ``nn.Conv2d`` modules): ``grad_inner_products(per_layer=True)``
+    summed over those layers (embeddings and norms left out)."""
+    ghost, params, buffers = make_ghost_model(model)
+    xs, ys, xq, yq = data
+    per = grad_inner_products(ghost, xent_none, params, buffers, xs, ys, xq, yq,
+                              chunk_size=chunk, per_layer=True)
+    keep = [n for n in per  # type: ignore[union-attr]
+            if isinstance(model.get_submodule(n), (nn.Linear, nn.Conv2d))]
+    return sum(per[n] for n in keep)  # type: ignore[index, return-value]
+
+
 def _count(values: Any) -> dict[str, int]:
     out: dict[str, int] = {}
     for v in values:
@@ -255,16 +419,21 @@ def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.devic
     chunk = args.chunk or cfg["chunk"]
     row: dict[str, Any] = {"workload": workload, "method": method, "n_train": args.train,
                            "n_query": args.query, "chunk": chunk}
-    if method in ("kronfluence", "trak"):
-        module = {"kronfluence": "kronfluence", "trak": "trak"}[method]
+    if method == "trak":
         try:
-            version = getattr(__import__(module), "__version__", "?")
+            version = getattr(__import__("trak"), "__version__", "?")
         except ImportError:
             row["error"] = "not installed"
             return row
-        row["error"] = (f"installed ({module} {version}) but no adapter in this script yet: "
-                        "not timed")
+        row["error"] = f"installed (trak {version}) but no adapter in this script yet: not timed"
         return row
+    if method in KF_STRATEGY:
+        try:
+            import kronfluence  # noqa: F401
+        except ImportError as e:
+            row["error"] = f"not installed ({type(e).__name__}: {e})"[:400]
+            return row
+        return _kf_row(row, workload, method, cfg, chunk, device, args, notes, scores)
     try:
         model, data = build(workload, cfg, args.train, args.query, device)
         row["params"] = sum(p.numel() for p in model.parameters())
@@ -288,12 +457,58 @@ def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.devic
     return row
 
 
+def _kf_row(row: dict[str, Any], workload: str, method: str, cfg: dict[str, Any], chunk: int,
+            device: torch.device, args: argparse.Namespace, notes: list[str],
+            scores: dict[str, Tensor]) -> dict[str, Any]:
+    """A kronfluence row (``KF_STRATEGY[method]``); the identity strategy's scores are checked
+    against torchfn's over the same (tracked) parameters. Errors recorded, never raised."""
+    import copy
+
+    query_batch = min(args.query, args.kf_query_batch or args.query)
+    row["query_batch"] = query_batch
+    try:
+        model, data = build(workload, cfg, args.train, args.query, device)
+        row["params"] = sum(p.numel() for p in model.parameters())
+        ref_model = copy.deepcopy(model) if method == "kronfluence-identity" else None
+        with tempfile.TemporaryDirectory(prefix="attribution-kf-") as workdir:
+            fn, info = v_kronfluence(model, data, chunk, KF_STRATEGY[method], device,
+                                     query_batch, Path(workdir))
+            row.update(info)
+            timing, out = measure_kf(fn, device, args.kf_warmup, args.kf_repeats)
+        row.update(timing)
+        del fn, model
+        _free(device)
+        if ref_model is not None:  # the apples-to-apples check: same parameters, same score
+            ref = tracked_reference(ref_model, data, chunk).double()
+            row["max_rel_diff_vs_torchfn"] = float((out.double() - ref).abs().max()
+                                                   / ref.abs().max())
+            if "torchfn-ghost" in scores and row["tracked_params"] == row["params"]:
+                full = scores["torchfn-ghost"].double()
+                row["max_rel_diff_vs_torchfn_row"] = float((out.double() - full).abs().max()
+                                                           / full.abs().max())
+            del ref
+        del ref_model, data, out
+    except Exception as e:  # OOM, an unsupported layer: record it, go on
+        oom = isinstance(e, torch.cuda.OutOfMemoryError)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        row["error"] = ("out of memory: " if oom else "") + f"{type(e).__name__}: {first}"[:400]
+        if not oom:
+            notes.append(f"{workload}/{method}:\n{traceback.format_exc(limit=-4)}")
+    return row
+
+
 def compare(rows: list[dict[str, Any]], workload: str, scores: dict[str, Tensor]) -> None:
-    """Fill the torchfn row's max rel diff vs the materialised matrix and the speed-up."""
+    """Fill the torchfn row's max rel diff vs the materialised matrix and the speed-up, and each
+    kronfluence row's time over torchfn's (``torchfn_speedup``: time only, see the notes)."""
     ghost = next((r for r in rows if r["workload"] == workload
                   and r["method"] == "torchfn-ghost"), None)
     mat = next((r for r in rows if r["workload"] == workload
                 and r["method"] == "materialized"), None)
+    for r in rows:
+        if (r["workload"] == workload and r["method"] in KF_STRATEGY and ghost is not None
+                and "median_s" in r and "median_s" in ghost):
+            r["torchfn_speedup"] = r["median_s"] / ghost["median_s"]
+            r["torchfn_speedup_scores_only"] = r["score_median_s"] / ghost["median_s"]
     if ghost is None or mat is None:
         return
     if "torchfn-ghost" in scores and "materialized" in scores:
@@ -325,7 +540,7 @@ def _goal(x: float) -> str:
 
 
 def fmt_row(r: dict[str, Any]) -> str:
-    head = f"{r['workload']:<12}{r['method']:<15}"
+    head = f"{r['workload']:<12}{r['method']:<21}"
     if "error" in r:
         return head + f"  {r['error']}"
     mem = f"{r['peak_mem_mb']:9.0f} MiB" if "peak_mem_mb" in r else ""
@@ -343,6 +558,17 @@ def _check_text(r: dict[str, Any]) -> str:
         parts.append(f"speed-up {_goal(r['speedup_vs_materialized'])}")
     if "mem_vs_materialized" in r:
         parts.append(f"memory {r['mem_vs_materialized']:.2f}x of materialized")
+    if "fit_median_s" in r:
+        parts.append(f"factor fit {r['fit_median_s']:.3f} s + pairwise scores "
+                     f"{r['score_median_s']:.3f} s")
+    if "max_rel_diff_vs_torchfn" in r:
+        parts.append("max rel diff vs torchfn over the tracked parameters "
+                     f"{r['max_rel_diff_vs_torchfn']:.1e}")
+    if "max_rel_diff_vs_torchfn_row" in r:
+        parts.append(f"vs the torchfn row {r['max_rel_diff_vs_torchfn_row']:.1e}")
+    if "torchfn_speedup" in r:
+        parts.append(f"torchfn-ghost {r['torchfn_speedup']:.2f}x faster "
+                     f"({r['torchfn_speedup_scores_only']:.2f}x vs the scores phase alone)")
     return ("; " + "; ".join(parts)) if parts else ""
 
 
@@ -365,7 +591,18 @@ def to_markdown(result: dict[str, Any]) -> str:
         "memory (max_memory_allocated) over all calls of the row, reset per row (model and data "
         "included).",
         "- Checks: max |S - S_materialized| / max |S_materialized| over the whole fp32 matrix; "
-        f"and both routes in float64 on the first {CHECK_TRAIN} x {CHECK_QUERY} samples.", "",
+        f"and both routes in float64 on the first {CHECK_TRAIN} x {CHECK_QUERY} samples.",
+        "- kronfluence rows: its own pipeline (`Task` with summed cross-entropy, `prepare_model`, "
+        "`Analyzer.fit_all_factors` on the train set, `compute_pairwise_scores` query x train, "
+        "factors and scores written under a temporary directory, CPU `TensorDataset`s batched "
+        "by its DataLoader: its times include that input path and its file writes); median s "
+        "= factor fit + pairwise scores, each phase's median in the checks column. `kronfluence` (EK-FAC, its default) computes influence "
+        "`g_q^T (F + damping I)^-1 g_i` (F: its EK-FAC approximation of the Fisher, labels sampled from the model), a different score from the `<g_i, g_q>` of the other "
+        "rows: only its time is compared. `kronfluence-identity` (strategy `identity`: no "
+        "factors, no preconditioning) computes plain `<g_i, g_q>` over the parameters "
+        "kronfluence tracks (`nn.Linear`, `nn.Conv2d`; the transformer's embeddings and "
+        "LayerNorms are left out): it is checked against torchfn's `grad_inner_products("
+        "per_layer=True)` summed over the same layers (max |diff| / max |S|).", "",
         "| workload | params | method | chunk | median s [p10, p90] | peak MiB | first call s | "
         "checks / speed-up | note |", "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for r in result["results"]:
@@ -381,6 +618,15 @@ def to_markdown(result: dict[str, Any]) -> str:
         if r.get("routes"):
             note += "; forms per linear map: " + ", ".join(
                 f"{k} ({n})" for k, n in r["routes"].items())
+        if r["method"] in KF_STRATEGY:
+            note = (f"strategy {r['kronfluence_strategy']}: "
+                    + ("EK-FAC influence (preconditioned scores, not <grad, grad>: time "
+                       "compared only)" if r["kronfluence_strategy"] == "ekfac" else
+                       "no preconditioning: plain <grad, grad>")
+                    + f"; tracks {r['tracked_modules']} Linear/Conv2d modules, "
+                    f"{r['tracked_params']:,} of the {r['params']:,} parameters; query batch "
+                    f"{r['query_batch']}; {result['kf_repeats']} run(s) after "
+                    f"{result['kf_warmup']} warm-up")
         lines.append(f"| {r['workload']} | {params} | {r['method']} | {r['chunk']} | "
                      f"{r['median_s']:.3f} [{r['p10_s']:.3f}, {r['p90_s']:.3f}] | {mem} | "
                      f"{r['first_call_s']:.1f} | {_check_text(r)[2:].replace('|', '/')} | "
@@ -407,7 +653,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(), "device": device_name(device),
         "versions": _versions(), "command": args.command, "tf32": set_tf32_off(),
         "tiny": args.tiny, "n_train": args.train, "n_query": args.query,
-        "repeats": args.repeats, "warmup": args.warmup,
+        "repeats": args.repeats, "warmup": args.warmup, "kf_repeats": args.kf_repeats,
+        "kf_warmup": args.kf_warmup, "kf_query_batch": args.kf_query_batch,
         "config": {w: cfgs[w] for w in workloads}, "results": [], "errors": []}
     rows, notes = result["results"], result["errors"]
     start = time.perf_counter()
@@ -460,6 +707,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed repeats per row (default 5; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up calls per row, the first timed alone (default 2; --tiny 1)")
+    parser.add_argument("--kf-repeats", type=int, default=None,
+                        help="timed runs of each kronfluence pipeline (default 3; --tiny 1)")
+    parser.add_argument("--kf-warmup", type=int, default=1,
+                        help="kronfluence runs before those, the first timed alone (default 1)")
+    parser.add_argument("--kf-query-batch", type=int, default=None,
+                        help="kronfluence's per_device_query_batch_size (default: all queries, "
+                             "one pass over the train set)")
     parser.add_argument("--tiny", action="store_true", help="tiny models and sizes (CPU smoke)")
     parser.add_argument("--no-check", action="store_true", help="skip the float64 check")
     parser.add_argument("--budget-s", type=float, default=480.0,
@@ -472,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     args.query = args.query or (8 if args.tiny else 1000)
     args.repeats = args.repeats or (2 if args.tiny else 5)
     args.warmup = args.warmup or (1 if args.tiny else 2)
+    args.kf_repeats = args.kf_repeats or (1 if args.tiny else 3)
     args.command = "python benchmarks/attribution.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     print(f"device: {device_name(torch.device(args.device))}; {_versions()}", flush=True)
@@ -480,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in result["results"]:
         if r["method"] == "torchfn-ghost" and "error" not in r:
             print(f"  {r['workload']}: {_check_text(r)[2:]}")
+    for r in result["results"]:
+        if r["method"] in KF_STRATEGY and "error" not in r:
+            print(f"  {r['workload']} vs {r['method']}: {_check_text(r)[2:]}")
     for note in result["errors"]:
         print(note)
     print(f"total {result['total_s']:.0f} s")
