@@ -42,6 +42,23 @@ CPU smoke run (2 gloo processes, a tiny decoder; also checks per-block donated =
 pure)::
 
     torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --small --device cpu
+
+``--dp``: the same decoder trained with DP-SGD through
+``make_sharded_dp_train_step(make_dp_train_step(ghost, ...), layout, blocks="auto",
+donate=True)``: ghost per-sample norms (per-sample loss: the mean token cross-entropy of a
+sequence), flat clipping at ``--clip`` (``--per-layer``: per-layer clipping), Gaussian noise
+``--sigma`` (each rank adds its shard's slice of the one draw). Every rank's ``--batch``
+sequences are one physical batch, all valid (a benchmark: no Poisson sampler; the step takes
+``sample_rate = W batch / dataset_size`` for its ``1 / (q N)`` scale). Per rank: the sharded
+Adam state (16 bytes/param / W with donation), the params outside the blocks (embeddings,
+final norm, head) and their clipped sums, ONE gathered decoder layer, the boundary activations
+(flat clipping keeps each layer's input and output gradient for its second recompute) and the
+ghost pass's per-layer activations of one recomputed layer. ``--dp --blocks none`` is the
+whole-gather control (expected OOM at the default size). The small mode checks blocked +
+donated == whole-gather pure on the same shards and noise key::
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --dp
+    torchrun --standalone --nproc-per-node=2 benchmarks/sharded_big_model.py --dp --small --device cpu
 """
 
 from __future__ import annotations
@@ -90,7 +107,8 @@ class Decoder(nn.Module):
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        # positions (1, T): a call shared by the batch (ghost norms need the batch, or 1, in dim 0)
+        h = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device)[None])
         for layer in self.layers:
             h = layer(h)
         return self.head(self.ln(h))
@@ -134,6 +152,11 @@ def main() -> None:
     ap.add_argument("--no-donate", dest="donate", action="store_false",
                     help="the pure step (donate=False): ~32 bytes/param / W at the update, "
                          "which does not fit 2 x 80 GB at the default size")
+    ap.add_argument("--dp", action="store_true",
+                    help="DP-SGD: make_sharded_dp_train_step(..., blocks=...) with ghost norms")
+    ap.add_argument("--clip", type=float, default=1.0, help="--dp: max_grad_norm C")
+    ap.add_argument("--sigma", type=float, default=1.0, help="--dp: noise_multiplier")
+    ap.add_argument("--per-layer", action="store_true", help="--dp: per-layer clipping")
     args = ap.parse_args()
     if args.small:
         args.layers, args.d_model, args.heads, args.vocab, args.seq = 3, 32, 4, 97, 16
@@ -157,10 +180,38 @@ def main() -> None:
                 torch.randint(0, args.vocab, (args.batch, args.seq), generator=g,
                               device=device)) for _ in range(args.warmup + args.steps)]
 
-    def run(blocks: object, donate: bool) -> dict[str, object]:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+    if args.dp:
+        from torchfn.persample import init_dp_state, make_dp_train_step, make_ghost_model
+
+        ghost, ghost_params, _ = make_ghost_model(module)  # meta: shapes only
+        assert list(ghost_params) == list(layout.shapes)
+
+        def per_sample_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            tok = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+            return tok.view(y.shape).mean(1)  # (B,): one loss per sequence
+
+        dataset_size = 1_000_000
+
+        def make_dp(g: object) -> object:
+            return make_dp_train_step(
+                g, per_sample_loss, opt, noise_multiplier=args.sigma, max_grad_norm=args.clip,
+                clipping="per_layer" if args.per_layer else "flat",
+                sample_rate=world * args.batch / dataset_size, dataset_size=dataset_size)
+
+        valid = torch.ones(args.batch, dtype=torch.bool, device=device)
+
+    def make_step(blocks: object, donate: bool) -> tuple[object, object]:
+        if args.dp:
+            if blocks is None:  # whole gather: the ghost pass takes full params on the device
+                with torch.device(device):
+                    real = Decoder(args.vocab, args.d_model, args.layers, args.heads, args.seq)
+                dp = make_dp(make_ghost_model(real)[0])
+                del real
+            else:  # per block: the meta ghost model (its blocks get their params gathered)
+                dp = make_dp(ghost)
+            sstep = tdist.make_sharded_dp_train_step(dp, layout, blocks=blocks, donate=donate)
+            state = init_dp_state(shard_init(layout, device, seed=0), {}, opt, seed=0)
+            return (lambda st, b: sstep(st, b, valid)), state
         if blocks is None:  # whole gather: a plain functional_call of the meta module
             def fn(p: dict, b: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
                 return torch.func.functional_call(module, (p, b), (x,)), b
@@ -168,7 +219,13 @@ def main() -> None:
             fn = model_fn
         step = tdist.make_sharded_train_step(fn, loss_fn, opt, layout, blocks=blocks,
                                              max_grad_norm=1.0, donate=donate)
-        state = init_train_state(shard_init(layout, device, seed=0), {}, opt, seed=0)
+        return step, init_train_state(shard_init(layout, device, seed=0), {}, opt, seed=0)
+
+    def run(blocks: object, donate: bool) -> dict[str, object]:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        step, state = make_step(blocks, donate)
         times, losses = [], []
         for i, batch in enumerate(batches):
             if device.type == "cuda":
@@ -182,7 +239,8 @@ def main() -> None:
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         out: dict[str, object] = {
-            "rank": rank, "blocks": blocks, "donate": donate, "step_s": statistics.median(times),
+            "rank": rank, "dp": args.dp, "blocks": blocks, "donate": donate,
+            "step_s": statistics.median(times),
             "losses": losses, "params": layout.gather(state.params) if args.small else None}
         if device.type == "cuda":
             out["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
@@ -204,7 +262,8 @@ def main() -> None:
     dist.all_gather_object(everyone, results)
     if rank == 0:
         print(json.dumps({
-            "params": n_params, "world": world, "device": str(device.type),
+            "params": n_params, "world": world, "device": str(device.type), "dp": args.dp,
+            "clipping": ("per_layer" if args.per_layer else "flat") if args.dp else None,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "unsharded_param_grad_adam_GB": 16 * n_params / 1e9,
             "sharded_state_per_rank_GB": 16 * n_params / world / 1e9,

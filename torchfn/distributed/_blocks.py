@@ -327,8 +327,10 @@ def _select(root: nn.Module, blocks: Any, where: str) -> list[str]:
     return chosen
 
 
-def make_blocked_model(model_fn: Any, blocks: Any, layout: Any, where: str) -> BlockedModel:
-    """Return a :class:`BlockedModel` of ``model_fn``'s module with the selected blocks."""
+def make_blocked_model(model_fn: Any, blocks: Any, layout: Any, where: str,
+                       cls: type[BlockedModel] | None = None) -> BlockedModel:
+    """Return a :class:`BlockedModel` (or ``cls``, a subclass with its own block forward) of
+    ``model_fn``'s module with the selected blocks."""
     src = _root_of(model_fn, where)
     # a private copy with meta placeholders (costs no memory; the module is never modified)
     memo: dict[int, Any] = {}
@@ -378,4 +380,4 @@ def make_blocked_model(model_fn: Any, blocks: Any, layout: Any, where: str) -> B
                            layout.subset(owned[b])))
     in_blocks = {n for ps in owned.values() for n in ps}
     outside = tuple(n for n in param_slots if n not in in_blocks)
-    return BlockedModel(root, made, outside, param_slots, buffer_slots)
+    return (cls or BlockedModel)(root, made, outside, param_slots, buffer_slots)

@@ -12,7 +12,9 @@ One logical step over ``W`` ranks (``state`` from :func:`init_sharded_dp_state`)
 ``z`` is the flat standard-normal draw over all params (in ``params`` order) under
 ``state.key`` that the unsharded step adds; each rank computes only its elements of it
 (``normal_slice``), so the noise is bit-identical to the unsharded step's and its std is
-``sigma C`` over the whole gradient. The non-finite flag is global, so every rank skips the
+``sigma C`` over the whole gradient. With ``blocks=`` the first two lines run block by block
+(``_sharded_dp_blocks.py``): the clipped sum of each block is reduce-scattered as soon as it
+is formed, and no rank holds more than one gathered block. The non-finite flag is global, so every rank skips the
 same steps; the key, the step count and adaptive clipping's threshold are replicated. The
 mechanism is the single-process one over the global batch: the accountant is stepped once per
 logical step with the global ``q``.
@@ -20,10 +22,11 @@ logical step with the global ``q``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
@@ -31,6 +34,7 @@ from torchfn._checks import _compile_kwargs, _replace
 from torchfn.distributed._donate import DonationPlan, check_not_donated, refuse_compile
 from torchfn.distributed._reduce import all_reduce_tree
 from torchfn.distributed._sharded import ShardLayout, _opt_leaves
+from torchfn.distributed._sharded_dp_blocks import BlockedDP
 from torchfn.persample import (
     ClippedSum,
     DPState,
@@ -102,12 +106,17 @@ class ShardedDPStep:
     forwarded.
     """
 
-    def __init__(self, step: DPTrainStep, layout: ShardLayout, donate: bool = False) -> None:
+    def __init__(self, step: DPTrainStep, layout: ShardLayout, donate: bool = False,
+                 blocks: Any = None) -> None:
         self.step_fn, self.layout, self.donate = step, layout, donate
+        self.blocks = blocks
         self._plans: dict[Any, DonationPlan] = {}
         self._sum: Callable[..., Any] = step.clipped_sum  # compiled if step was compiled
         self._apply: Callable[..., Any] = self._reduce_and_apply
         self._one: Callable[..., Any] = self._one_step
+        # per-block gathering: the clipped sum comes back as shards (already reduce-scattered)
+        self._blocked = (BlockedDP(step, layout, blocks, "make_sharded_dp_train_step")
+                         if blocks is not None else None)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("noise_multiplier", "sample_rate", "dataset_size", "expected_batch_size",
@@ -129,12 +138,19 @@ class ShardedDPStep:
 
     def _reduce_and_apply(self, state: DPState,
                           local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
-        lay, dp = self.layout, self.step_fn
         if self.donate and torch.compiler.is_compiling():
             refuse_compile()
         if not torch.compiler.is_compiling():
             check_not_donated(state, "sharded DP-SGD step")
-        shard = lay.reduce_scatter_sum(local.grads)
+        return self._apply_shard(state, self.layout.reduce_scatter_sum(local.grads), local)
+
+    def _apply_shard(self, state: DPState, shard: TensorDict,
+                     local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
+        """Noise and update from ``shard`` (this rank's flat shards of the clipped sum over
+        all ranks) and ``local``'s counts (this rank's; all-reduced here)."""
+        lay, dp = self.layout, self.step_fn
+        if not torch.compiler.is_compiling():
+            check_not_donated(state, "sharded DP-SGD step")
         slices = {n: (lay.numel(n), lay.rank * lay.chunk(n), lay.valid(n), lay.chunk(n))
                   for n in lay.shapes}
         grads, noised = dp._noisy(state, shard, slices)
@@ -180,13 +196,35 @@ class ShardedDPStep:
 
     def _one_step(self, state: DPState, batch: tuple[Any, Any],
                   valid: Tensor) -> tuple[DPState, dict[str, Tensor]]:
+        if self._blocked is not None:
+            return self._apply_shard(state, *self._blocked_sum(state, [(batch, valid)]))
         return self._reduce_and_apply(state, self.step_fn._clipped_sum(self._full(state), batch,
                                                                        valid))
+
+    def _blocked_sum(self, state: DPState, batches: Iterable[tuple[Any, Tensor]],
+                     ) -> tuple[TensorDict, ClippedSum]:
+        """``(shard, local)``: the blocked clipped sums of ``batches`` (shards, summed) and
+        their counts (this rank's)."""
+        assert self._blocked is not None
+        check_not_donated(state, "sharded DP-SGD step")
+        self.layout.check_shards(state.params, "sharded DP-SGD step: state.params")
+        total = None
+        for batch, valid in batches:
+            part = self._blocked.clipped_sum(state, batch, valid)
+            total = part if total is None else DPTrainStep.add(total, part)
+        assert total is not None
+        return total.grads, total
 
     def compile(self, **kwargs: Any) -> ShardedDPStep:
         """Return a copy whose one-batch step, per-chunk clipped sum and :meth:`apply` are
         ``torch.compile(fullgraph=True)``; ``kwargs`` go to ``torch.compile``, with
         :attr:`DPTrainStep.inductor_options` as for :meth:`DPTrainStep.compile`."""
+        if self.blocks is not None:
+            raise ValueError("ShardedDPStep.compile: a step with per-block gathering "
+                             "(make_sharded_dp_train_step(..., blocks=...)) runs eagerly only "
+                             "(torch.compile of its autograd.Function, which gathers, "
+                             "recomputes and reduce-scatters in the backward, is not "
+                             "supported); build it with blocks=None to compile it")
         if self.donate:
             raise ValueError("ShardedDPStep.compile: a donating step "
                              "(make_sharded_dp_train_step(..., donate=True)) runs eagerly only; "
@@ -213,8 +251,22 @@ class ShardedDPStep:
         if not chunks:
             raise ValueError("ShardedDPStep.run: chunks is empty; pass "
                              "shard_poisson_sample(sampler, step, rank=..., world_size=...)")
-        full = self._full(state)
         device = state.step.device
+        if self._blocked is not None:
+            # every chunk gathers each block: the ranks run the same number of chunks (a rank
+            # short of the most gets all-padding chunks, valid = False: they add nothing)
+            most = torch.tensor(len(chunks), dtype=torch.int64, device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.layout.group)
+            n = int(most)
+            idx0, valid0 = chunks[0]
+            chunks = [*chunks, *[(torch.zeros_like(idx0), torch.zeros_like(valid0))
+                                 for _ in range(n - len(chunks))]]
+            state, metrics = self._apply_shard(state, *self._blocked_sum(
+                state, ((get_batch(idx.to(device)), valid.to(device)) for idx, valid in chunks)))
+            if accountant is not None:
+                metrics = {**metrics, **self.step_fn.account(accountant)}
+            return state, metrics
+        full = self._full(state)
         total = None
         for idx, valid in chunks:
             part = self._sum(full, get_batch(idx.to(device)), valid.to(device))
@@ -227,7 +279,7 @@ class ShardedDPStep:
 
 
 def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout, *,
-                               donate: bool = False) -> ShardedDPStep:
+                               donate: bool = False, blocks: Any = None) -> ShardedDPStep:
     """Return a sharded DP-SGD step (:class:`ShardedDPStep`) equal to ``step`` over the global batch.
 
     ``step = make_dp_train_step(ghost, loss_fn, opt, ..., sample_rate=q, dataset_size=N)`` for
@@ -251,6 +303,34 @@ def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout, *,
     the old one is invalid (passing it again raises ``ValueError``). Same numbers bit for bit,
     skipped steps included; :meth:`ShardedDPStep.compile` and an optimizer whose update mixes
     params raise ``ValueError``.
+
+    ``blocks`` (per-block gathering, ZeRO-3 / FSDP style; eager only): ``None`` (default)
+    gathers every param at the start of the step. With ``blocks`` (``"auto"``, a list of
+    submodule names or a callable ``(name, module) -> bool`` over the ghost model's
+    ``named_modules()``, as for ``make_sharded_train_step(..., blocks=...)``) the params of
+    each block are all-gathered only while the block runs and dropped after, so a rank holds
+    the shards with their optimizer state, the params outside every block (gathered whole)
+    and ONE gathered block -- a model that does not fit one GPU trains with DP. The ghost pass
+    treats each block as one opaque call: its forward runs the block under ``no_grad``; the
+    backward gathers the block again, recomputes it with its layers' probes (the RNG of the
+    forward replayed) and takes the block's per-sample ghost norms ``(B,)``. Per-layer clipping
+    (and ``"automatic_per_layer"``) then forms the block's clipped sum at once (each layer's
+    coefficient needs only its own norm) and reduce-scatters it. Flat clipping (and
+    ``"automatic"``, adaptive) needs each example's norm over ALL params first: the backward
+    keeps each block's input and output gradient (two boundary activations of ``(B, ...)`` per
+    block), and once every norm is known each block is gathered a third time, recomputed, and
+    its clipped sum reduce-scattered. Per physical batch: 2 (per layer) or 3 (flat)
+    all-gathers and 1 reduce-scatter per block (one all-gather more on the first batch of each
+    input shape: the probe-shape pass, cached), plus one all-gather and one reduce-scatter of
+    the params outside the blocks. :meth:`ShardedDPStep.run` runs the same number of physical
+    batches on every rank (a rank with fewer gets all-padding ones). Same numbers as
+    ``blocks=None`` and one process (float round-off), every clipping mode. Refused with a
+    ``ValueError``: a ghost layer that reads the params of a block and of something else, or
+    contains a block (e.g. a root that owns a param directly: its ``"direct"`` layer
+    recomputes the root's forward), a block called twice in one forward, a block calling a
+    ghost layer outside it, and what ``make_sharded_train_step(..., blocks=...)`` refuses;
+    :meth:`ShardedDPStep.compile` raises. A block's layers must be called the same way under
+    ``no_grad`` as under grad (the forward logs their output shapes under ``no_grad``).
 
     Refused (``ValueError`` naming the argument): ``secure_noise=True``, ``amp``, a
     ``trainable`` filter, a ghost model with frozen params.
@@ -295,4 +375,4 @@ def make_sharded_dp_train_step(step: DPTrainStep, layout: ShardLayout, *,
                         f"(ShardLayout.from_params(params)), got {type(layout).__name__}")
     if not isinstance(donate, bool):
         raise TypeError(f"{where}(donate=...): expected True or False, got {donate!r}")
-    return ShardedDPStep(step, layout, donate)
+    return ShardedDPStep(step, layout, donate, blocks)
