@@ -45,16 +45,21 @@ def test_cpu_smoke_run(tmp_path):
            "BENCH_DIR": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "data_prefetch.py"), "--device", "cpu",
-         "--n", "128", "--size", "8", "--batch", "16", "--warmup", "1", "--steps", "2",
-         "--profile-steps", "1", "--json", str(out), "--md", str(md)],
+         "--n", "128", "--size", "8", "--batch", "16", "--workers", "2", "--width", "4",
+         "--warmup", "1", "--steps", "2", "--profile-steps", "1", "--stream-batches", "2",
+         "--json", str(out), "--md", str(md)],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
-    assert [r["mode"] for r in res["rows"]] == ["plain", "pinned", "prefetch", "pinned+prefetch"]
+    assert [r["mode"] for r in res["rows"]] == ["resident", "plain", "pinned", "prefetch",
+                                                "pinned+prefetch"]
     for r in res["rows"]:
         assert r["step_ms"] > 0 and r["idle_fraction"] is None and r["last_loss"] > 0
-    # the same batches in the same order reach the model in every mode: the same last loss
-    assert len({r["last_loss"] for r in res["rows"]}) == 1
+        assert r["vs_resident"] > 0
+    assert res["rows"][0]["vs_resident"] == 1.0 and res["stream_alone"]["plain"] > 0
+    # the same batches in the same order reach the model in every stream mode: the same loss
+    assert len({r["last_loss"] for r in res["rows"][1:]}) == 1
     text = md.read_text()
     assert "| prefetch |" in text and "Command: `python benchmarks/data_prefetch.py" in text
+    assert "| resident |" in text and "Stream alone (no model): plain" in text

@@ -4,7 +4,7 @@ uninterrupted run; on CUDA the batches arrive pinned-copied and equal the host o
 
 from __future__ import annotations
 
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict, deque, namedtuple
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from torchfn.data import (
     StreamingLoader,
     prefetch_to_device,
 )
+from torchfn.data._prefetch import _bucket, _stage, _StagingPool
 
 N = 53
 Pair = namedtuple("Pair", "a b")
@@ -50,14 +51,22 @@ def test_cpu_passes_nested_batches_through_without_copies(depth):
         assert g["od"]["y"] is h["od"]["y"]
 
 
-@pytest.mark.parametrize("depth,workers", [(1, 0), (3, 0), (2, 2)])
-def test_resume_mid_epoch_loses_and_repeats_nothing(depth, workers):
-    full = [i for b in DevicePrefetcher(_loader(workers=workers), "cpu", depth=depth)
+def _pf(loader, depth, background):
+    pf = DevicePrefetcher(loader, "cpu", depth=depth)
+    pf._background = background  # the CUDA path's thread, run on the CPU
+    return pf
+
+
+@pytest.mark.parametrize("depth,workers,background",
+                         [(1, 0, False), (3, 0, False), (2, 2, False), (1, 0, True),
+                          (3, 0, True), (2, 2, True)])
+def test_resume_mid_epoch_loses_and_repeats_nothing(depth, workers, background):
+    full = [i for b in _pf(_loader(workers=workers), depth, background)
             for i in b["id"].tolist()]
     assert sorted(full) == list(range(N))
     for stop in (0, 1, 5, 13, 14):  # 14 batches in the epoch
         loader = _loader(workers=workers)
-        pf = DevicePrefetcher(loader, "cpu", depth=depth)
+        pf = _pf(loader, depth, background)
         it = iter(pf)
         head = [i for _ in range(stop) for i in next(it)["id"].tolist()]
         state = pf.state_dict()
@@ -65,15 +74,65 @@ def test_resume_mid_epoch_loses_and_repeats_nothing(depth, workers):
             assert loader.state_dict()["consumed"] == min(4 * (stop + depth), N)
         assert state["consumed"] == min(4 * stop, N)
         del it
-        pf2 = DevicePrefetcher(_loader(workers=workers), "cpu", depth=depth)
+        pf2 = _pf(_loader(workers=workers), depth, background)
         pf2.load_state_dict(state)
         tail = [i for b in pf2 for i in b["id"].tolist()]
         assert head + tail == full
     # after a full epoch the state is the loader's end-of-epoch state
     loader = _loader()
-    pf = DevicePrefetcher(loader, "cpu", depth=depth)
+    pf = _pf(loader, depth, background)
     list(pf)
     assert pf.state_dict() == loader.state_dict() and pf.state_dict()["consumed"] == N
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_staging_pool_reuses_a_buffer_only_after_its_copy_ran():
+    sizes = []
+    pool = _StagingPool(lambda n: sizes.append(n) or torch.empty(n, dtype=torch.uint8))
+    assert [_bucket(n) for n in (1, 512, 513, 4096, 4097)] == [512, 512, 1024, 4096, 8192]
+    a, b = pool.take(3000), pool.take(3000)  # both in the 4096 bucket
+    assert a.numel() == b.numel() == 4096 and a.data_ptr() != b.data_ptr()
+    e1, e2 = _FakeEvent(), _FakeEvent()
+    keep = [torch.ones(1)]
+    pool.give_back([a], e1, keep)
+    pool.give_back([b], e2)
+    assert pool.free_count() == 0 and pool.take(4000).data_ptr() not in (a.data_ptr(),
+                                                                         b.data_ptr())
+    e2.done = True  # events of one stream complete in order: b waits behind a
+    assert pool.free_count() == 0
+    e1.done = True
+    assert pool.free_count() == 2 and pool._busy == deque()  # the kept batch is released
+    got = {pool.take(2049).data_ptr(), pool.take(4096).data_ptr()}
+    assert got == {a.data_ptr(), b.data_ptr()} and pool.allocated == 3
+    assert pool.take(100).numel() == 512 and sizes == [4096, 4096, 4096, 512]
+    done = _FakeEvent()
+    done.done = True
+    for _ in range(5):  # nothing taken (batches already pinned): kept batches still go
+        pool.give_back([], done, [torch.ones(1)])
+    assert len(pool._busy) == 1
+
+
+def test_stage_copies_unpinned_tensors_into_pool_buffers():
+    pool = _StagingPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    host = _nested()[2]
+    host["t"] = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()  # not contiguous
+    host["e"] = torch.zeros(0, 5)
+    host["b"] = torch.tensor([True, False])
+    used = []
+    staged = _stage(host, pool, used)
+    assert len(used) == 6  # x, pair.a, list[0], od.y, t, b; the empty one passes through
+    assert staged["e"] is host["e"] and staged["pair"].b == "tag" and staged["list"][1] == 7
+    for k in ("x", "t", "b"):
+        assert staged[k].dtype == host[k].dtype and torch.equal(staged[k], host[k])
+        assert staged[k].data_ptr() in {u.data_ptr() for u in used}
+    assert torch.equal(staged["od"]["y"], host["od"]["y"]) and staged["od"]["y"].shape == ()
 
 
 def test_errors_name_the_argument():
@@ -106,10 +165,12 @@ def test_cuda_batches_equal_host_batches_and_resume(depth):
         assert o["dev"] == "cuda"
         assert torch.equal(o["x"], h["x"] * 2) and torch.equal(o["a"], h["pair"].a + 1)
         assert torch.equal(o["y"], h["od"]["y"])
-    big = [torch.randn(256, 1024) for _ in range(6)]  # large copies racing the consumer
+    big = [torch.randn(256, 1024) for _ in range(12)]  # large copies racing the consumer
     sums = [float(t.sum()) for t in big]
-    got = [float(b.sum().item()) for b in prefetch_to_device(big, "cuda", depth)]
+    pf_big = prefetch_to_device(big, "cuda", depth)
+    got = [float(b.sum().item()) for b in pf_big]
     assert np.allclose(got, sums, rtol=1e-5)
+    assert pf_big._pool.allocated < len(big)  # staging buffers are reused
     full = [i for b in DevicePrefetcher(_loader(workers=2), "cuda", depth=depth)
             for i in b["id"].cpu().tolist()]
     pf = DevicePrefetcher(_loader(workers=2), "cuda", depth=depth)

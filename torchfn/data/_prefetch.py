@@ -1,14 +1,20 @@
-"""Device prefetch: host batches pinned and copied to the GPU ahead of use, on a side stream."""
+"""Device prefetch: host batches staged in reused pinned buffers and copied to the GPU ahead of
+use, from a background thread, on a side stream."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["DevicePrefetcher", "prefetch_to_device"]
+
+_MIN_BUCKET = 512
 
 
 def _map_tensors(fn: Any, x: Any) -> Any:
@@ -25,11 +31,84 @@ def _map_tensors(fn: Any, x: Any) -> Any:
     return x
 
 
+def _bucket(nbytes: int) -> int:
+    """The staging buffer size for ``nbytes``: the next power of two (at least 512), so a
+    stream of varying batch sizes reuses a few buffers instead of one per size."""
+    return max(_MIN_BUCKET, 1 << (nbytes - 1).bit_length())
+
+
+class _StagingPool:
+    """Reusable host staging buffers (``(bucket,)`` uint8, from ``alloc``: pinned on CUDA).
+
+    ``take`` hands out a free buffer of the size's bucket (or allocates one);
+    ``give_back(buffers, event, keep)`` returns buffers that a copy still reads: they become
+    free once ``event.query()`` is True (the copies ran; events of one stream complete in
+    order, so only the oldest is polled), and ``keep`` (the source batch) is released then.
+    Thread-safe.
+    """
+
+    def __init__(self, alloc: Callable[[int], torch.Tensor]) -> None:
+        self._alloc = alloc
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._busy: deque[tuple[Any, list[torch.Tensor], Any]] = deque()
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers allocated so far (the rest of the takes were reuses)
+
+    def _reclaim(self) -> None:
+        while self._busy and self._busy[0][0].query():
+            _, bufs, _keep = self._busy.popleft()
+            for b in bufs:
+                self._free.setdefault(b.numel(), []).append(b)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = _bucket(nbytes)
+        with self._lock:
+            self._reclaim()
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            self.allocated += 1
+        return self._alloc(size)
+
+    def give_back(self, bufs: list[torch.Tensor], event: Any, keep: Any = None) -> None:
+        with self._lock:
+            self._reclaim()  # also when nothing is taken (every batch already pinned)
+            self._busy.append((event, bufs, keep))
+
+    def free_count(self) -> int:
+        """Returns the number of buffers free now (after polling the pending copies)."""
+        with self._lock:
+            self._reclaim()
+            return sum(len(v) for v in self._free.values())
+
+
+def _stage(host: Any, pool: _StagingPool, used: list[torch.Tensor]) -> Any:
+    """``host`` with every unpinned CPU tensor copied into a pool buffer (appended to
+    ``used``); pinned, empty and non-CPU tensors pass through."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu" or t.numel() == 0 or t.is_pinned():
+            return t
+        nbytes = t.numel() * t.element_size()
+        buf = pool.take(nbytes)
+        used.append(buf)
+        return buf[:nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+    return _map_tensors(one, host)
+
+
 class _InFlight(NamedTuple):
     batch: Any  # on the device (copies may still be running on the side stream)
-    host: Any  # the pinned host batch, kept alive until the batch is handed out
     event: Any  # torch.cuda.Event recorded after the copies, or None
+
+
+class _Pending(NamedTuple):
+    copy: Future | _InFlight  # the copy (a Future of one when it runs in the thread)
     state: dict[str, Any] | None  # the loader's state right after this batch
+
+
+def _pinned_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 class DevicePrefetcher:
@@ -37,13 +116,16 @@ class DevicePrefetcher:
 
     Each batch (a tensor or nested dicts / lists / tuples of tensors; other values pass through)
     is copied as soon as the previous ones are handed out, so the copy of batch ``i + depth``
-    overlaps the work on batch ``i``. On CUDA: host tensors are pinned (``pin_memory()``,
-    skipped for tensors already pinned, e.g. by ``DataLoader(pin_memory=True)``) and copied
-    with ``non_blocking=True`` on a side stream; before a batch is handed out the current
-    stream waits for that batch's copies (an event recorded after them: the step does not wait
-    for later batches' copies) and every device tensor is ``record_stream``-ed on the current
+    overlaps the work on batch ``i``. On CUDA the copies run in a background thread: host
+    tensors are copied into reused pinned staging buffers (skipped for tensors already pinned,
+    e.g. by ``DataLoader(pin_memory=True)``; a buffer is reused once the copy that read it has
+    finished) and copied with ``non_blocking=True`` on a side stream, so the training loop's
+    thread only takes batches from ``loader``. Before a batch is handed out the current stream
+    waits for that batch's copies (an event recorded after them: the step does not wait for
+    later batches' copies) and every device tensor is ``record_stream``-ed on the current
     stream, so its memory is not reused while work queued there still reads it. On other
-    devices (the CPU) the batches are ``.to(device)``: for the CPU the same tensors, no copy.
+    devices (the CPU) the batches are ``.to(device)`` in the calling thread: for the CPU the
+    same tensors, no copy.
 
     Resume: the batches in flight were taken from ``loader`` but not yet handed out, so the
     loader's own ``state_dict()`` runs ``depth`` batches ahead. ``state_dict()`` here returns
@@ -71,9 +153,13 @@ class DevicePrefetcher:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"DevicePrefetcher(device={str(device)!r}): CUDA is not "
                                "available here; pass device='cpu' or run on a CUDA machine")
+        if cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pin_memory = cuda if pin_memory is None else bool(pin_memory and cuda)
         self._cuda = cuda
+        self._background = cuda  # copies in a worker thread (tests turn it on for the CPU)
         self._stream: Any = None
+        self._pool = _StagingPool(_pinned_bytes)
         self._state: dict[str, Any] | None = None
 
     def _snapshot(self) -> dict[str, Any] | None:
@@ -82,15 +168,17 @@ class DevicePrefetcher:
 
     def _copy(self, host: Any) -> _InFlight:
         if not self._cuda:
-            return _InFlight(_map_tensors(lambda t: t.to(self.device), host), None, None, None)
-        pinned = _map_tensors(
-            lambda t: t.pin_memory() if self.pin_memory and t.device.type == "cpu"
-            and not t.is_pinned() else t, host)
-        with torch.cuda.stream(self._stream):
-            batch = _map_tensors(lambda t: t.to(self.device, non_blocking=True), pinned)
+            return _InFlight(_map_tensors(lambda t: t.to(self.device), host), None)
+        used: list[torch.Tensor] = []
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            staged = _stage(host, self._pool, used) if self.pin_memory else host
+            batch = _map_tensors(lambda t: t.to(self.device, non_blocking=True), staged)
             event = torch.cuda.Event()
             event.record(self._stream)
-        return _InFlight(batch, pinned, event, None)
+        # the staging buffers (and the host batch: pinned memory a copy may still read) are
+        # kept until the copies ran
+        self._pool.give_back(used, event, host)
+        return _InFlight(batch, event)
 
     def _hand_out(self, item: _InFlight) -> Any:
         if item.event is not None:
@@ -110,31 +198,38 @@ class DevicePrefetcher:
             self._stream = torch.cuda.Stream(self.device)
         self._state = self._snapshot()  # before the first batch: the loader's pending state
         it = iter(self.loader)
-        queue: deque[_InFlight] = deque()
+        queue: deque[_Pending] = deque()
         done = False
+        with contextlib.ExitStack() as stack:
+            pool = None
+            if self._background:
+                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchfn-prefetch")
+                stack.callback(pool.shutdown, wait=True, cancel_futures=True)
 
-        def fetch() -> None:
-            nonlocal done
-            try:
-                host = next(it)
-            except StopIteration:
-                done = True
-                if queue:  # the state after the last batch is the loader's state at its end
-                    queue[-1] = queue[-1]._replace(state=self._snapshot())
-                else:
-                    self._state = self._snapshot()
-                return
-            queue.append(self._copy(host)._replace(state=self._snapshot()))
+            def fetch() -> None:
+                nonlocal done
+                try:
+                    host = next(it)
+                except StopIteration:
+                    done = True
+                    if queue:  # the state after the last batch is the loader's at its end
+                        queue[-1] = queue[-1]._replace(state=self._snapshot())
+                    else:
+                        self._state = self._snapshot()
+                    return
+                copy = pool.submit(self._copy, host) if pool is not None else self._copy(host)
+                queue.append(_Pending(copy, self._snapshot()))
 
-        while not done and len(queue) < self.depth:
-            fetch()
-        while queue:
-            item = queue.popleft()
-            batch = self._hand_out(item)
-            self._state = item.state
-            if not done:
-                fetch()  # the next copy starts before this batch's step runs
-            yield batch
+            while not done and len(queue) < self.depth:
+                fetch()
+            while queue:
+                item = queue.popleft()
+                copied = item.copy.result() if isinstance(item.copy, Future) else item.copy
+                batch = self._hand_out(copied)
+                self._state = item.state
+                if not done:
+                    fetch()  # the next copy starts before this batch's step runs
+                yield batch
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -39,6 +39,9 @@ from ._alloc import batch_tensor, empty_batch
 from ._fsio import RemoteNpy, expand, is_url
 from ._shards import ShardReader, read_manifest
 
+# Local arrays with rows at least this large are gathered straight into the batch buffer.
+_DIRECT_ROW_BYTES = 4096
+
 __all__ = ["NumpySource", "SampleSource", "ShardSource", "collate_values"]
 
 
@@ -265,9 +268,20 @@ class NumpySource:
                 f"{self.describe()}.read: ids must lie in [0, {self.num_samples}), got "
                 f"[{ids.min()}, {ids.max()}]"
             )
-        order = np.argsort(ids, kind="stable")  # rows in file order; put back after reading
+        order = None
         out: dict[str, Any] = {}
         for name, a in self.arrays.items():
+            row_bytes = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+            if isinstance(a, np.ndarray) and a.dtype.kind not in "US" and (
+                    row_bytes >= _DIRECT_ROW_BYTES):
+                # rows of a page or more: gathered in plan order straight into the batch
+                # buffer (one copy; sorting would buy little read-ahead locality)
+                dst = empty_batch((len(ids), *a.shape[1:]), a.dtype)
+                np.take(a, ids, axis=0, out=dst, mode="clip")  # ids checked above
+                out[name] = batch_tensor(dst)
+                continue
+            if order is None:  # rows in file order; put back after reading
+                order = np.argsort(ids, kind="stable")
             rows = np.asarray(a[ids[order]])
             if a.dtype.kind in "US":
                 back = np.empty_like(rows)
