@@ -792,3 +792,39 @@ def test_raw_kernels_check_device(kernels):
     with pytest.raises(ValueError, match=r"expected a and g on the same device, got "
                                          r"a.device=cuda:0 and g.device=cpu"):
         ops.linear_grad_norms_sq(a, torch.zeros(4, 3))
+
+
+def test_gram_norms_unchanged_by_zero_time_padding():
+    # the CUDA half-type Gram path pads T to a multiple of 8 with zero rows; the math it relies
+    # on, checked in float64 where it runs here: zero rows leave every per-sample norm exact
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 13, 6, generator=gen, dtype=torch.float64)
+    g = torch.randn(3, 13, 5, generator=gen, dtype=torch.float64)
+    pad = torch.nn.functional.pad
+    plain = reference.linear_grad_norms_sq(a, g, bias=True, method="gram")
+    padded = reference.linear_grad_norms_sq(pad(a, (0, 0, 0, 3)), pad(g, (0, 0, 0, 3)),
+                                            bias=True, method="gram")
+    torch.testing.assert_close(padded, plain, rtol=1e-14, atol=0)
+    torch.testing.assert_close(plain, reference.linear_grad_norms_sq(a, g, bias=True,
+                                                                     method="materialize"))
+    assert reference._pad_time_for_tensor_cores(a.half()).shape == (3, 13, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gram_norms_half_odd_time_cuda(dtype):
+    # a ViT's 197 tokens: the half-type Gram GEMMs run on T padded to 200, same norms
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(4, 197, 64, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(4, 197, 48, device="cuda", generator=gen).to(dtype)
+    assert reference._pad_time_for_tensor_cores(a).shape == (4, 200, 64)
+    assert reference._pad_time_for_tensor_cores(a.float()).shape == (4, 197, 64)
+    got = reference.linear_grad_norms_sq(a, g, bias=True, method="gram").double()
+    want = reference.linear_grad_norms_sq(a.double(), g.double(), bias=True, method="materialize")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
+    compiled = torch.compile(lambda x, y: reference.linear_grad_norms_sq(x, y, method="gram"),
+                             fullgraph=True)
+    torch.testing.assert_close(compiled(a, g).double(),
+                               reference.linear_grad_norms_sq(a, g, method="gram").double(),
+                               rtol=2e-2, atol=0)

@@ -140,14 +140,29 @@ def linear_grad_norms_sq(
     else:
         time, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
         if method == "gram" or (method == "auto" and time * (d_in + d_out) <= d_in * d_out):
-            gram_a = torch.einsum("bti,bsi->bts", a, a)
-            gram_g = torch.einsum("bto,bso->bts", g, g)
+            a_t, g_t = _pad_time_for_tensor_cores(a), _pad_time_for_tensor_cores(g)
+            gram_a = torch.einsum("bti,bsi->bts", a_t, a_t)
+            gram_g = torch.einsum("bto,bso->bts", g_t, g_t)
             out = (gram_a * gram_g).sum((1, 2))
         else:
             out = torch.einsum("bto,bti->boi", g, a).square().sum((1, 2))
     if bias:
         out = out + linear_bias_grad_norms_sq(g)
     return out
+
+
+def _pad_time_for_tensor_cores(x: Tensor) -> Tensor:
+    """``x (B, T, d)`` with zero rows appended so ``T`` is a multiple of 8, for half types on CUDA.
+
+    The Gram products ``x_i x_i^T`` are ``(B, T, T)`` batched GEMMs whose output rows are ``T``
+    elements apart; for float16/bfloat16 an odd ``T`` (a ViT's 197 tokens) breaks the 16-byte
+    alignment cuBLAS's Hopper tensor-core kernels need, and it falls back to far slower ones.
+    Zero rows add exact zeros to every Gram entry they touch, so the norms are unchanged.
+    """
+    time = x.shape[1]
+    if not x.is_cuda or x.element_size() != 2 or time % 8 == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, 0, -time % 8))
 
 
 def linear_bias_grad_norms_sq(g: Tensor) -> Tensor:
