@@ -152,7 +152,7 @@ def linear_grad_norms_sq(
 
 
 def _pad_time_for_tensor_cores(x: Tensor) -> Tensor:
-    """``x (B, T, d)`` with zero rows appended so ``T`` is a multiple of 8, for half types on CUDA.
+    """``x (B, T, d)`` with zero rows appended so ``T`` is a multiple of 8 (half types on CUDA).
 
     The Gram products ``x_i x_i^T`` are ``(B, T, T)`` batched GEMMs whose output rows are ``T``
     elements apart; for float16/bfloat16 an odd ``T`` (a ViT's 197 tokens) breaks the 16-byte
