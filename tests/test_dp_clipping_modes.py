@@ -229,7 +229,8 @@ def test_a_skipped_step_keeps_its_threshold() -> None:
     assert not bool(metrics["skipped"]) and float(new.clip_norm) > 0.5
 
 
-@pytest.mark.parametrize(("target", "normalize"), [(0.5, False), (0.9, False), (0.5, True)])
+@pytest.mark.parametrize(("target", "normalize"),
+                         [(0.5, False), (0.9, False), (0.5, True), (0.15, True)])
 def test_adaptive_threshold_tracks_the_target_quantile(target: float, normalize: bool) -> None:
     # per-sample norms |x| with x ~ LogNormal(0, 0.5): the p-quantile is exp(0.5 * z_p)
     ghost, params, buffers = norm_model()

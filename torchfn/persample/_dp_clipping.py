@@ -45,7 +45,8 @@ class AdaptiveClipping:
     """Settings of adaptive quantile clipping (Andrew et al. 2021) for :func:`make_dp_train_step`.
 
     ``target_quantile`` (in ``(0, 1)``): the fraction of examples whose gradient norm should
-    stay unclipped (0.5: ``C_t`` tracks the median norm). ``learning_rate`` (``eta_C > 0``): the
+    stay unclipped (0.5: ``C_t`` tracks the median norm, the paper's default; under heavy noise
+    a lower target, which clips more, can do better: ``docs/dp_clipping.md``). ``learning_rate`` (``eta_C > 0``): the
     step of the geometric update ``C_{t+1} = C_t exp(-eta_C (b_t - target_quantile))``.
     ``count_noise_multiplier`` (``sigma_b``, the std of the noise on the count of unclipped
     examples, in examples): ``None`` takes ``max(qN / 20, 3.5 noise_multiplier)`` -- the
