@@ -30,6 +30,11 @@ Reports per rank: step time (median of the timed steps after ``--warmup``), the 
 (~44 GB more), so at the default size it should run out of memory -- run it on its own, an
 out-of-memory rank ends the job; so should ``--no-donate`` on 2 GPUs (it fits 4).
 
+``--layers auto`` sizes the decoder from the GPU: the fewest layers whose unsharded training
+state (16 bytes/param) exceeds one card's total memory (26 layers on an 80 GB H100, 46 --
+9.5e9 params -- on a 141 GB H200), so the run shows a model that cannot train on one card;
+the summary says ``unsharded_state_exceeds_one_gpu``.
+
 GPU (2 x H100 80 GB; the other two commands are controls expected to fail with OOM on 2 cards,
 the last one is the pure step on 4 cards)::
 
@@ -134,11 +139,30 @@ def shard_init(layout: tdist.ShardLayout, device: torch.device, seed: int
     return out
 
 
+def _layers(args: argparse.Namespace, gpu_bytes: int | None) -> int:
+    """``--layers`` as an int; ``auto``: the fewest layers whose 16 bytes/param of unsharded
+    training state (fp32 params, grads, Adam's two moments) exceed ``gpu_bytes``."""
+    if args.layers != "auto":
+        try:
+            return int(args.layers)
+        except ValueError:
+            raise SystemExit(f"--layers: expected an int or 'auto', got {args.layers!r}") from None
+    if gpu_bytes is None:
+        raise SystemExit("--layers auto: needs --device cuda (it sizes the model from the GPU)")
+    d, v, t = args.d_model, args.vocab, args.seq
+    outside = 2 * v * d + t * d + 2 * d  # tok + head, pos, final norm
+    per_layer = 12 * d * d + 13 * d  # qkv + proj + 4d MLP (weights and biases) + 2 norms
+    need = gpu_bytes / 16 - outside
+    return max(1, math.ceil(need / per_layer))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="a tiny decoder (CPU smoke run)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--layers", type=int, default=26)
+    ap.add_argument("--layers", default="26",
+                    help="decoder layers, or 'auto': the fewest whose unsharded params + grads + "
+                         "Adam moments (16 bytes/param) exceed one GPU's total memory")
     ap.add_argument("--d-model", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -163,6 +187,9 @@ def main() -> None:
         args.steps, args.warmup = 2, 1
     info = tdist.init_from_env("gloo" if args.device == "cpu" else None)
     device, rank, world = info.device, info.rank, info.world_size
+    gpu_bytes = (torch.cuda.get_device_properties(device).total_memory
+                 if device.type == "cuda" else None)
+    args.layers = _layers(args, gpu_bytes)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     with torch.device("meta"):
@@ -270,6 +297,8 @@ def main() -> None:
             "estimated_update_peak_per_rank_GB": (
                 (16 * n_params / world + 16 * max(layout.chunk(n) for n in layout.shapes))
                 if args.donate else 32 * n_params / world) / 1e9,
+            "one_gpu_memory_GB": gpu_bytes / 1e9 if gpu_bytes else None,
+            "unsharded_state_exceeds_one_gpu": (16 * n_params > gpu_bytes) if gpu_bytes else None,
             "layers": args.layers, "d_model": args.d_model, "seq": args.seq,
             "batch_per_rank": args.batch, "ranks": everyone}, indent=1))
     dist.destroy_process_group()
