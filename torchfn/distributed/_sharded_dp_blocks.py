@@ -45,17 +45,18 @@ from torchfn.distributed._blocks import (
     make_blocked_model,
 )
 from torchfn.distributed._sharded import ShardLayout
-from torchfn.persample import ClippedSum, DPTrainStep
-from torchfn.persample._dp_clipping import clip_coefficients
-from torchfn.persample._dpsgd import _check_batch
-from torchfn.persample._ghost_grads import GhostGrads, Layer
-from torchfn.persample._ghost_layers import GhostLayerError, Prepared, local
-from torchfn.persample._ghost_tape import (
+from torchfn.persample import ClippedSum, DPTrainStep, GhostGrads, GhostLayerError
+from torchfn.persample.extension import (
+    Layer,
+    Prepared,
     Tape,
     batch_size_of,
+    check_batch,
+    clip_coefficients,
     fill_slots,
     input_signature,
     lift_inputs,
+    local,
     template_of,
     tensors_of,
 )
@@ -407,7 +408,7 @@ class BlockedDP:
         """
         if torch.compiler.is_compiling():
             _refuse_compile()
-        inputs, targets = _check_batch(batch)
+        inputs, targets = check_batch(batch)
         step, lay = self.step, self.layout
         outside_full = (self.outside_layout.gather({n: state.params[n] for n in self.outside})
                         if self.outside else {})
