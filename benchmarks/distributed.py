@@ -38,6 +38,11 @@ to size the sample so a repeat lasts about ``--budget-s / 4`` (the same count on
 3 more warm-up calls, then the median of 5 repeats after a barrier; the slowest rank's time
 counts, and ``spread`` ((max - min) / median of the repeats) flags unsteady rows.
 
+At every ``W > 1`` the collectives alone are timed too (``comm_floor``: one fp32 all-reduce,
+all-gather and reduce-scatter of each LM's parameter bytes, with nccl-tests' bus bandwidth):
+the communication a step pays unless it overlaps it. ``--trace DIR`` profiles 3 more steps of
+every row (Chrome trace per rank; NCCL vs other GPU ms per step, host syncs per step).
+
 Then, at every ``W > 1``, each distributed step is checked in float64 against the
 single-process step over the same global batch (rank 0 of the same job), the data-parallel
 step once more compiled with the same Inductor settings (graph count recorded). NCCL on CUDA,
@@ -306,8 +311,34 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _trace(fn: Callable[[Any], Any], state: Any, device: torch.device, path: str) -> Any:
+    """Profile 3 steps (CPU and CUDA activities) into the Chrome trace ``path``; return the
+    state and a summary: each kind of GPU kernel's total time (NCCL vs the rest)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if dist.is_initialized():
+        dist.barrier()
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            state = fn(state)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    prof.export_chrome_trace(path)
+    kinds: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA":
+            continue
+        kind = "nccl" if "nccl" in e.key.lower() else "other"
+        kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 3e3  # ms per step
+    syncs = sum(e.count for e in prof.key_averages()
+                if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize",
+                             "cudaDeviceSynchronize")) / 3
+    return state, {"trace": path, "gpu_ms_per_step": kinds, "host_syncs_per_step": syncs}
+
+
 def _bench(rows: list[tuple[str, str]], world: int, rank: int, device: torch.device,
-           sz: dict[str, Any], budget_s: float) -> dict[str, Any]:
+           sz: dict[str, Any], budget_s: float, trace: str | None = None) -> dict[str, Any]:
     distributed = world > 1
     out: dict[str, Any] = {}
     for workload, variant in rows:
@@ -318,6 +349,10 @@ def _bench(rows: list[tuple[str, str]], world: int, rank: int, device: torch.dev
             fn, state, units, info = BUILDERS[workload](variant, world, rank, device, sz, g)
             m = _measure(fn, state, device, distributed, budget_s)
             rec = {**info, **m, "throughput": world * units / (m["step_ms"] / 1e3)}
+            if trace:
+                os.makedirs(trace, exist_ok=True)
+                path = os.path.join(trace, f"{workload}-{variant}-W{world}-rank{rank}.json")
+                state, rec["profile"] = _trace(fn, state, device, path)
             if device.type == "cuda":
                 rec["peak_MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
                 torch.cuda.reset_peak_memory_stats(device)
@@ -334,6 +369,46 @@ def _bench(rows: list[tuple[str, str]], world: int, rank: int, device: torch.dev
             print(f"  [W={world}] {name}: {what} ({time.perf_counter() - t0:.0f}s)", flush=True)
         if distributed:
             dist.barrier()
+    return out
+
+
+# -- the communication floor: each workload's collectives alone, at its gradient size ------------
+
+
+def _comm_floor(world: int, device: torch.device, sz: dict[str, Any]) -> dict[str, Any]:
+    """Time one fp32 all-reduce, all-gather and reduce-scatter of each LM's parameter count
+    (the bytes of the data-parallel / sharded steps' collectives), with nothing else running:
+    the communication a step cannot go below unless it overlaps it with compute."""
+    out: dict[str, Any] = {}
+    for name in ("lm", "dp_lm"):
+        with torch.device("meta"):
+            n = sum(p.numel() for p in DecoderLM(**sz[name]).parameters())
+        n = -(-n // world) * world
+        full = torch.ones(n, device=device)
+        shard = torch.ones(n // world, device=device)
+        ops = {"all_reduce": lambda f=full: dist.all_reduce(f),
+               "all_gather": lambda f=full, s=shard: dist.all_gather_into_tensor(f, s),
+               "reduce_scatter": lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f)}
+        res = {"MB": 4 * n / 2**20}
+        for op, fn in ops.items():
+            times = []
+            for i in range(7):
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            t = torch.tensor(sorted(times)[len(times) // 2], dtype=F64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            ms = 1e3 * float(t)
+            # bus bandwidth as nccl-tests defines it: what each link carries
+            factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+            res[op] = {"ms": ms, "busbw_GBps": factor * 4 * n / 1e9 / (ms / 1e3)}
+        out[name] = res
     return out
 
 
@@ -500,9 +575,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             print(f"world {world}: {pin['threads']} CPU threads per rank"
                   f"{'' if args.no_cpu_pin else ', pinned'}", flush=True)
         result: dict[str, Any] = {
-            "bench": _bench(args.rows, world, rank, device, _sizes(args.small), args.budget_s),
+            "bench": _bench(args.rows, world, rank, device, _sizes(args.small), args.budget_s,
+                            args.trace),
             "tf32": tf32, "inductor": inductor, "threads_per_rank": pin["threads"],
             "device_name": device_name(device)}
+        if world > 1 and not args.no_comm_floor:
+            result["comm_floor"] = _comm_floor(world, device, _sizes(args.small))
         if world > 1 and not args.no_checks:
             result["checks"] = _check(rank, world, device,
                                       not args.no_compile_check and world == max(args.worlds))
@@ -580,6 +658,23 @@ def _markdown(report: dict[str, Any], worlds: list[int]) -> str:
         for name, c in checks.items():
             lines.append(f"| {name} | {c['rel_err']:.2e} | {c.get('graphs') or '-'} | "
                          f"{'yes' if c['ok'] else 'FAILED'} |")
+    prof = [(name, w, v["profile"]) for name, r in report["workloads"].items()
+            for w, v in r["by_world"].items() if "profile" in v]
+    if prof:
+        lines += ["", "| profiled (3 steps, rank 0) | W | GPU ms/step: NCCL | other kernels | "
+                  "host syncs/step | trace |", "|---|---:|---:|---:|---:|---|"]
+        for name, w, p in prof:
+            g = p["gpu_ms_per_step"]
+            lines.append(f"| {name} | {w} | {g.get('nccl', 0.0):.1f} | {g.get('other', 0.0):.1f}"
+                         f" | {p['host_syncs_per_step']:.1f} | {os.path.basename(p['trace'])} |")
+    for w, floor in report.get("comm_floor", {}).items():
+        lines += ["", f"| collectives alone, W={w} (fp32, median of 5, slowest rank) | MB | "
+                  "all-reduce ms (busbw GB/s) | all-gather ms (busbw) | reduce-scatter ms "
+                  "(busbw) |", "|---|---:|---:|---:|---:|"]
+        for name, r in floor.items():
+            cells = " | ".join(f"{r[op]['ms']:.2f} ({r[op]['busbw_GBps']:.0f})"
+                               for op in ("all_reduce", "all_gather", "reduce_scatter"))
+            lines.append(f"| {name} params | {r['MB']:.0f} | {cells} |")
     lines += ["", f"NCCL environment: {report['env'] or 'no NCCL_* variables set'}"]
     return "\n".join(lines) + "\n"
 
@@ -601,6 +696,13 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
     p.add_argument("--no-cpu-pin", action="store_true", help="do not pin ranks to CPU cores")
     p.add_argument("--no-checks", action="store_true", help="skip the float64 equality checks")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="after timing, profile 3 steps of every row (CPU + CUDA) into "
+                        "DIR/<workload>-<variant>-W<w>-rank<r>.json (Chrome traces) and "
+                        "record each row's NCCL / other GPU ms per step and host syncs")
+    p.add_argument("--no-comm-floor", action="store_true",
+                   help="skip timing the collectives alone (all-reduce, all-gather, "
+                        "reduce-scatter of each model's parameter bytes)")
     p.add_argument("--no-compile-check", action="store_true",
                    help="skip the compiled data-parallel equality check")
     args = p.parse_args()
@@ -645,6 +747,7 @@ def main() -> None:
         "sizes": _sizes(args.small),
         "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
         "workloads": rows, "equality_float64": checks, "wall_s": time.time() - t0,
+        "comm_floor": {str(w): runs[w]["comm_floor"] for w in worlds if "comm_floor" in runs[w]},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

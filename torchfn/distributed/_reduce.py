@@ -2,9 +2,10 @@
 
 The tensors of a dict are packed into flat buckets of about ``bucket_mb`` megabytes, grouped
 by dtype and device (a bucket holds one dtype on one device), and every bucket's all-reduce is
-*launched* before any result is read: ``torch.distributed._functional_collectives`` returns
-tensors that wait for their collective only when first used, so bucket ``k``'s communication
-runs while bucket ``k+1`` is packed and sent. The same functions trace under
+*launched* before any result is read (each waited only when its gradients are unpacked), so
+bucket ``k``'s communication runs while bucket ``k+1`` is packed and sent. Eagerly a bucket is
+reduced in place (``_c10d_functional.all_reduce_`` on the flat buffer that packing made; the
+out-of-place op would clone it first) and divided in place. The same functions trace under
 ``torch.compile(fullgraph=True)`` (Dynamo turns them into ``_c10d_functional`` ops and Inductor
 places the waits as late as it can). c10d's in-place ``dist.all_reduce`` compiles as well on
 torch 2.13 (checked), but it mutates its argument; the functional ones keep the step pure.
@@ -89,14 +90,22 @@ def all_reduce_tree(tree: Mapping[str, Tensor], *, op: str = "mean",
             raise TypeError(f"all_reduce_tree(tree): expected a dict of tensors, got "
                             f"{type(tree[k]).__name__} at {k!r}")
     launched = []
+    eager = not torch.compiler.is_compiling()
     for bucket in _buckets(tree, int(bucket_mb * 2**20)):
         flat = torch.cat([tree[k].reshape(-1) for k in bucket])
-        launched.append((bucket, funcol.all_reduce(flat, "sum", pg)))
+        # eager: the bucket is ours (cat made it), so it is reduced in place -- the functional
+        # all_reduce would first clone it (one more pass over the gradient)
+        # (not a tensor that autograd or a torch.func transform tracks: those take funcol's
+        # differentiable, out-of-place all_reduce)
+        owned = eager and not flat.requires_grad and not _is_wrapped(flat)
+        launched.append((bucket, owned, torch.ops._c10d_functional.all_reduce_(
+            flat, "sum", pg.group_name) if owned else funcol.all_reduce(flat, "sum", pg)))
     out: dict[str, Tensor] = {}
-    for bucket, red in launched:
-        red = _materialise(red)  # eager: wait here, bucket by bucket (no-op when compiled)
+    for bucket, owned, red in launched:
+        # eager: wait here, bucket by bucket (compiled: Inductor places the waits)
+        red = torch.ops._c10d_functional.wait_tensor(red) if owned else _materialise(red)
         if op == "mean":
-            red = red / world
+            red = red.div_(world) if owned else red / world  # (the same quotient)
         parts = red.split([tree[k].numel() for k in bucket])
         for k, part in zip(bucket, parts, strict=True):
             out[k] = part.view(tree[k].shape)
@@ -150,6 +159,11 @@ def all_gather_tree(tree: Mapping[str, Tensor], *,
 def _materialise(t: Tensor) -> Tensor:
     """Return a plain tensor: eager collectives return lazily-waiting tensor subclasses."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _is_wrapped(t: Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` transform's wrapper (grad, vmap, functionalize)."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def _is_traced(t: Tensor) -> bool:

@@ -36,7 +36,7 @@ from torchfn.distributed._donate import (
     refuse_compile,
 )
 from torchfn.distributed._env import world_info
-from torchfn.distributed._reduce import _group, _materialise, all_reduce_tree
+from torchfn.distributed._reduce import _group, _is_wrapped, _materialise, all_reduce_tree
 from torchfn.functional import (
     StepOptions,
     TrainState,
@@ -135,19 +135,28 @@ class ShardLayout:
 
     def reduce_scatter_mean(self, grads: Mapping[str, Tensor]) -> TensorDict:
         """Return this rank's shard of the mean over ranks of full-shaped ``grads``."""
-        return {k: v / self.world_size for k, v in self.reduce_scatter_sum(grads).items()}
+        return self._reduce_scatter(grads, self.world_size)
 
     def reduce_scatter_sum(self, grads: Mapping[str, Tensor]) -> TensorDict:
         """Return this rank's flat ``(chunk,)`` shard of the sum over ranks of full ``grads``."""
+        return self._reduce_scatter(grads, None)
+
+    def _reduce_scatter(self, grads: Mapping[str, Tensor], divide: int | None) -> TensorDict:
         pg = _group(self.group)
         out: TensorDict = {}
         for names in self._by_dtype():
-            rows = [torch.nn.functional.pad(grads[k].reshape(-1),
-                                            (0, self.chunk(k) * self.world_size
-                                             - self.numel(k))).view(self.world_size, -1)
-                    for k in names]
+            # a param whose numel divides by W needs no padding: its rows are a view (the one
+            # copy is the cat)
+            rows = [(torch.nn.functional.pad(grads[k].reshape(-1), (0, pad)) if pad
+                     else grads[k].reshape(-1)).view(self.world_size, -1)
+                    for k in names
+                    for pad in (self.chunk(k) * self.world_size - self.numel(k),)]
             flat = torch.cat(rows, dim=1).reshape(-1)
             mine = _materialise(_reduce_scatter(flat, "sum", 0, pg))
+            if divide is not None:  # one division of the flat shard, not one per param
+                mine = (mine.div_(divide) if not torch.compiler.is_compiling()
+                        and not mine.requires_grad and not _is_wrapped(mine)
+                        else mine / divide)
             for k, part in zip(names, mine.split([self.chunk(k) for k in names]), strict=True):
                 out[k] = part
         return {k: out[k] for k in self.shapes}
@@ -387,8 +396,9 @@ def make_sharded_train_step(
         def sumsq(tree: TensorDict) -> Tensor:
             return torch.stack([t.double().square().sum() for t in tree.values()]).sum()
 
-        small = {"loss": torch.stack(losses).mean().detach().double(),
-                 "sumsq": sumsq(shard), "sumsq_clipped": sumsq(clipped)}
+        norm_sq = sumsq(shard)  # without clip_value, clipped is shard: one pass, not two
+        small = {"loss": torch.stack(losses).mean().detach().double(), "sumsq": norm_sq,
+                 "sumsq_clipped": norm_sq if clipped is shard else sumsq(clipped)}
         shard = None  # type: ignore[assignment]  (clipped is it without clip_value)
         if sync_buffers:
             small.update({f"buffer/{n}": v for n, v in buffers.items()

@@ -172,8 +172,15 @@ def normal_slice(key: Tensor, n: int, start: int, length: int,
     if start < 0 or length < 0 or (length and start + length > n):
         raise ValueError(f"normal_slice(n={n}, start={start}, length={length}): expected "
                          f"start >= 0, length >= 0 and start + length <= n (any start for length 0)")
+    return _normal_at(key, n, torch.arange(start, start + length, dtype=torch.int64,
+                                           device=key.device), dtype)
+
+
+def _normal_at(key: Tensor, n: int, j: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Return ``normal(key, (n,), dtype)[j]`` for int64 positions ``j`` (any shape, each in
+    ``[0, n)``) without drawing the rest: :func:`normal_slice` at arbitrary positions, so the
+    slices of many params can be drawn in one pass (same values, elementwise)."""
     m = (n + 1) // 2
-    j = torch.arange(start, start + length, dtype=torch.int64, device=key.device)
     second = j >= m
     p = torch.where(second, j - m, j)
     hi, lo = _bits_at(key, p) >> 5, _bits_at(key, m + p) >> 6
