@@ -15,10 +15,11 @@ while the backward recomputes one) and the block-boundary activations.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -125,9 +126,7 @@ class _GatherBlock(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, n: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         shards, inputs = flat[:n], flat[n:]
-        dev = next((t.device for t in flat if t.device.type == "cuda"), None)
-        call.rng = (torch.get_rng_state(),
-                    torch.cuda.get_rng_state(dev) if dev is not None else None, dev)
+        call.rng = captured_rng(flat)
         with torch.no_grad():
             full = _gather(call, shards)
             outs = call.run(full, inputs)
@@ -153,18 +152,13 @@ class _GatherBlock(torch.autograd.Function):
             full = _gather(call, shards)
         names = list(full)
         float_pos = [i for i, t in enumerate(inputs) if t.is_floating_point()]
-        cpu_rng, cuda_rng, dev = call.rng  # type: ignore[misc]
         out_float: list[bool] = []
 
         def block_fn(p: TensorDict, xs: list[Tensor]) -> list[Tensor]:
             ins = [t.detach() for t in inputs]
             for i, t in zip(float_pos, xs, strict=True):
                 ins[i] = t
-            with torch.random.fork_rng(devices=[dev] if dev is not None else [],
-                                       device_type=dev.type if dev is not None else "cuda"):
-                torch.set_rng_state(cpu_rng)
-                if cuda_rng is not None:
-                    torch.cuda.set_rng_state(cuda_rng, dev)
+            with replayed_rng(call.rng):
                 outs = call.run(p, ins, keep=False)
             out_float[:] = [o.is_floating_point() for o in outs]
             return [o for o in outs if o.is_floating_point()]
@@ -196,6 +190,27 @@ _COMPILE_MSG = (
 
 
 @torch.compiler.disable(reason=_COMPILE_MSG)
+def captured_rng(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor | None, Any]:
+    """The random state a block's forward starts from: ``(cpu_state, cuda_state | None,
+    device | None)``, the CUDA part for the first CUDA device among ``tensors``."""
+    dev = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    return torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev is not None else None, dev
+
+
+@contextlib.contextmanager
+def replayed_rng(rng: Any) -> Iterator[None]:
+    """Runs the body with the random state ``rng = (cpu_state, cuda_state | None, device |
+    None)`` captured before a block's first forward, so its recompute draws the same dropout
+    masks; the caller's random state is restored afterwards."""
+    cpu_rng, cuda_rng, dev = rng
+    with torch.random.fork_rng(devices=[dev] if dev is not None else [],
+                               device_type=dev.type if dev is not None else "cuda"):
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, dev)
+        yield
+
+
 def _refuse_compile() -> None:
     raise RuntimeError(_COMPILE_MSG)
 

@@ -42,7 +42,9 @@ from torchfn.distributed._blocks import (
     _Call,
     _gather,
     _refuse_compile,
+    captured_rng,
     make_blocked_model,
+    replayed_rng,
 )
 from torchfn.distributed._sharded import ShardLayout
 from torchfn.persample import ClippedSum, DPTrainStep, GhostGrads, GhostLayerError
@@ -106,9 +108,7 @@ class _BlockRun:
         self.grad_outs: tuple[Tensor, ...] = ()
 
     def forward(self, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
-        dev = next((t.device for t in (*self.shards, *inputs) if t.device.type == "cuda"), None)
-        self.rng = (torch.get_rng_state(),
-                    torch.cuda.get_rng_state(dev) if dev is not None else None, dev)
+        self.rng = captured_rng((*self.shards, *inputs))
         tape = self.owner.tape
         saved = _save_tape(tape)
         with torch.no_grad():
@@ -140,7 +140,6 @@ class _BlockRun:
         probes = {n: [[torch.zeros(s, dtype=dt, device=dv) for s, dt, dv in c] for c in cs]
                   for n, cs in self.shapes.items()}
         float_pos = [i for i, t in enumerate(inputs) if t.is_floating_point()]
-        cpu_rng, cuda_rng, dev = self.rng  # type: ignore[misc]
         static: dict[str, Any] = {}
         out_float: list[bool] = []
 
@@ -153,11 +152,7 @@ class _BlockRun:
             tape.reset()
             tape.mode, tape.probes, tape.batch = "record", probes, batch
             try:
-                with torch.random.fork_rng(devices=[dev] if dev is not None else [],
-                                           device_type=dev.type if dev is not None else "cuda"):
-                    torch.set_rng_state(cpu_rng)
-                    if cuda_rng is not None:
-                        torch.cuda.set_rng_state(cuda_rng, dev)
+                with replayed_rng(self.rng):
                     outs = call.run(full, ins, keep=False)
                 calls = tape.calls
             finally:
