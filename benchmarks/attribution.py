@@ -449,12 +449,18 @@ def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.devic
                 row["fp64_max_rel_diff"] = check_fp64(model, data)
         del model, data, fn, out
     except Exception as e:  # OOM, a refused layer: record it, go on
-        oom = isinstance(e, torch.cuda.OutOfMemoryError)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        row["error"] = ("out of memory: " if oom else "") + f"{type(e).__name__}: {first}"[:400]
-        if not oom:
-            notes.append(f"{workload}/{method}:\n{traceback.format_exc(limit=-4)}")
+        _record_error(row, e, f"{workload}/{method}", notes)
     return row
+
+
+def _record_error(row: dict[str, Any], e: Exception, where: str, notes: list[str]) -> None:
+    """``row["error"]``: the exception's type and first line (``out of memory: `` first for a
+    CUDA OOM); a traceback goes to ``notes`` unless it was an OOM."""
+    oom = isinstance(e, torch.cuda.OutOfMemoryError)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    row["error"] = ("out of memory: " if oom else "") + f"{type(e).__name__}: {first}"[:400]
+    if not oom:
+        notes.append(f"{where}:\n{traceback.format_exc(limit=-4)}")
 
 
 def _kf_row(row: dict[str, Any], workload: str, method: str, cfg: dict[str, Any], chunk: int,
@@ -489,11 +495,7 @@ def _kf_row(row: dict[str, Any], workload: str, method: str, cfg: dict[str, Any]
             del ref
         del ref_model, data, out
     except Exception as e:  # OOM, an unsupported layer: record it, go on
-        oom = isinstance(e, torch.cuda.OutOfMemoryError)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        row["error"] = ("out of memory: " if oom else "") + f"{type(e).__name__}: {first}"[:400]
-        if not oom:
-            notes.append(f"{workload}/{method}:\n{traceback.format_exc(limit=-4)}")
+        _record_error(row, e, f"{workload}/{method}", notes)
     return row
 
 
