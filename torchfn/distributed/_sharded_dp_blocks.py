@@ -47,18 +47,18 @@ from torchfn.distributed._blocks import (
     replayed_rng,
 )
 from torchfn.distributed._sharded import ShardLayout
-from torchfn.persample import ClippedSum, DPTrainStep, GhostGrads, GhostLayerError
+from torchfn.persample import ClippedSum, DPTrainStep, GhostGrads
 from torchfn.persample.extension import (
     Layer,
-    Prepared,
     Tape,
     batch_size_of,
     check_batch,
+    check_buffers_unchanged,
+    check_valid,
     clip_coefficients,
-    fill_slots,
     input_signature,
     lift_inputs,
-    local,
+    prepare_layers,
     template_of,
     tensors_of,
 )
@@ -301,23 +301,8 @@ class BlockedDP:
                     saved: dict[str, list[Tensor]], grads: dict[str, Any], batch: int,
                     like: Tensor, bookkeeping: bool) -> GhostGrads:
         """The :class:`GhostGrads` of ``layers`` from their recorded calls (``per_sample``'s end)."""
-        prepared: dict[str, Prepared] = {}
-        for name, tensors in saved.items():
-            calls = fill_slots(static[name], iter(tensors))
-            layer = layers[name]
-            bad = layer.rule.batch_dims_ok(layer.module, calls, grads[name], batch)
-            if bad is not None:
-                raise GhostLayerError(
-                    f"ghost layer {name!r}: {bad}, but the batch size (of the inputs) is "
-                    f"{batch}; ghost per-sample gradients need the batch in dim 0 of every "
-                    "layer input and output")
-            consts = local(buffers, layer.buffers)
-            if layer.consts:
-                consts.update(local(params, layer.consts))
-            prepared[name] = layer.rule.prepare(layer.module, name, local(params, layer.params),
-                                                consts, calls, grads[name])
-            if bookkeeping:
-                prepared[name].expect_weighted_sum()
+        prepared = prepare_layers(layers, params, buffers, static, saved, grads, batch,
+                                  bookkeeping)
         own = {k: params[k] for lay in layers.values() for k in lay.params.values()}
         return GhostGrads(prepared, layers, own, (), batch, like)
 
@@ -436,9 +421,7 @@ class BlockedDP:
                         else type(losses).__name__)
                 raise ValueError(f"{_WHERE}: loss_fn(outputs, targets) must return the "
                                  f"({n_batch},) per-sample losses (reduction='none'), got {seen}")
-            if valid.shape != losses.shape:
-                raise ValueError(f"DP-SGD step: valid must have shape {tuple(losses.shape)} (one "
-                                 f"flag per example of the batch), got {tuple(valid.shape)}")
+            check_valid(valid, losses)
             # the blocks' backward (during this grad's backward) needs the mask and dtype
             pass_.like = torch.zeros(n_batch, dtype=losses.dtype, device=losses.device)
             pass_.mask = valid.to(losses.dtype)
@@ -450,12 +433,7 @@ class BlockedDP:
 
         (grads, _), (losses, new_buffers, saved) = _call_translated(
             _WHERE, torch.func.grad(objective, has_aux=True), (probes, like0))
-        for k, v in new_buffers.items():
-            if v is not buffers[k]:
-                raise ValueError(
-                    f"DP-SGD step: the forward updated buffer {k!r}; buffers computed from the "
-                    "private data (BatchNorm running statistics, ...) would escape the privacy "
-                    "analysis. Use layers without data-dependent buffers, or eval() for them")
+        check_buffers_unchanged(new_buffers, buffers)
         losses = losses.detach()
         mask = pass_.mask
         assert mask is not None

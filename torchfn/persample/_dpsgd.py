@@ -306,22 +306,14 @@ class DPTrainStep:
         with opts.autocast(device_type), _part("torchfn.ghost_pass"):
             res = self._ghost.per_sample(state.params, state.buffers, inputs, targets,
                                          loss_fn, bookkeeping=True)
-        for k, v in res.new_buffers.items():
-            if v is not state.buffers[k]:
-                raise ValueError(
-                    f"DP-SGD step: the forward updated buffer {k!r}; buffers computed from the "
-                    "private data (BatchNorm running statistics, ...) would escape the privacy "
-                    "analysis. Use layers without data-dependent buffers, or eval() for them"
-                )
+        check_buffers_unchanged(res.new_buffers, state.buffers)
         losses = res.losses.detach()
         # fp16: the per-sample losses were multiplied by the loss scale; unscale the norms
         # before clipping and fold 1 / scale into the clipping coefficients
         inv = 1.0 / scale if scale is not None else None
         if inv is not None:
             losses = losses * inv
-        if valid.shape != losses.shape:
-            raise ValueError(f"DP-SGD step: valid must have shape {tuple(losses.shape)} (one "
-                             f"flag per example of the batch), got {tuple(valid.shape)}")
+        check_valid(valid, losses)
         with _part("torchfn.clipped_sum"):
             mask = valid.to(losses.dtype)
             if self.layer_thresholds is None:
@@ -649,6 +641,26 @@ class DPTrainStep:
         if recorded % self.epsilon_every:
             return {}
         return {"epsilon": float(accountant.get_epsilon(self.delta))}
+
+
+def check_buffers_unchanged(new_buffers: Mapping[str, Tensor],
+                            buffers: Mapping[str, Tensor]) -> None:
+    """Raise ``ValueError`` naming a buffer the forward replaced: statistics computed from the
+    private batch (BatchNorm's running stats) would escape the privacy analysis."""
+    for k, v in new_buffers.items():
+        if v is not buffers[k]:
+            raise ValueError(
+                f"DP-SGD step: the forward updated buffer {k!r}; buffers computed from the "
+                "private data (BatchNorm running statistics, ...) would escape the privacy "
+                "analysis. Use layers without data-dependent buffers, or eval() for them"
+            )
+
+
+def check_valid(valid: Tensor, losses: Tensor) -> None:
+    """Raise ``ValueError`` unless ``valid`` has the ``(B,)`` shape of the per-sample losses."""
+    if valid.shape != losses.shape:
+        raise ValueError(f"DP-SGD step: valid must have shape {tuple(losses.shape)} (one "
+                         f"flag per example of the batch), got {tuple(valid.shape)}")
 
 
 def _check_batch(batch: Any) -> tuple[Any, Any]:

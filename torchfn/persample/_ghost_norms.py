@@ -287,29 +287,46 @@ class GhostModel:
                 f"tensor nor a pytree of tensors ({e}); return tensors (HF models: pass "
                 "use_cache=False in inputs or the config, so no cache object is returned)"
             ) from e
-        prepared: dict[str, Prepared] = {}
-        for name, tensors in saved.items():
-            calls: Calls = fill_slots(static[name], iter(tensors))
-            layer = self._layers[name]
-            bad = layer.rule.batch_dims_ok(layer.module, calls, grads[name], batch)
-            if bad is not None:
-                raise GhostLayerError(
-                    f"ghost layer {name!r}: {bad}, but the batch size (of the inputs) is "
-                    f"{batch}; ghost per-sample gradients need the batch in dim 0 of every "
-                    "layer input and output (or dim 0 of size 1 for a call shared by the "
-                    "batch, e.g. a positional embedding of arange(T)[None])"
-                )
-            consts = local(buffers, layer.buffers)
-            if layer.consts:
-                consts.update(local(params, layer.consts))
-            prepared[name] = layer.rule.prepare(
-                layer.module, name, local(params, layer.params), consts, calls, grads[name])
-        if bookkeeping:
-            for p in prepared.values():
-                p.expect_weighted_sum()
+        prepared = prepare_layers(self._layers, params, buffers, static, saved, grads, batch,
+                                  bookkeeping)
         like = losses.detach()
         ghost_grads = GhostGrads(prepared, self._layers, params, self.frozen, batch, like)
         return GhostResult(ghost_grads, losses, outputs, new_buffers)
+
+
+def prepare_layers(layers: Mapping[str, Layer], params: Mapping[str, Tensor],
+                   buffers: Mapping[str, Tensor], static: Mapping[str, Any],
+                   saved: Mapping[str, list[Tensor]], grads: Mapping[str, Any], batch: int,
+                   bookkeeping: bool) -> dict[str, Prepared]:
+    """Each recorded layer's :class:`Prepared` ``(a, g)`` state, the end of a ghost pass.
+
+    ``static[name]`` / ``saved[name]``: the layer's recorded calls as a template and its
+    tensors (``template_of`` / ``tensors_of``); ``grads[name]``: the probes' gradients (the
+    layer outputs' gradients) for those calls; ``batch``: ``B``. ``bookkeeping``: a
+    ``weighted_sum`` follows (see :meth:`GhostModel.per_sample`). Raises
+    :class:`GhostLayerError` naming a layer whose inputs or outputs lack the batch in dim 0.
+    """
+    prepared: dict[str, Prepared] = {}
+    for name, tensors in saved.items():
+        calls: Calls = fill_slots(static[name], iter(tensors))
+        layer = layers[name]
+        bad = layer.rule.batch_dims_ok(layer.module, calls, grads[name], batch)
+        if bad is not None:
+            raise GhostLayerError(
+                f"ghost layer {name!r}: {bad}, but the batch size (of the inputs) is "
+                f"{batch}; ghost per-sample gradients need the batch in dim 0 of every "
+                "layer input and output (or dim 0 of size 1 for a call shared by the "
+                "batch, e.g. a positional embedding of arange(T)[None])"
+            )
+        consts = local(buffers, layer.buffers)
+        if layer.consts:
+            consts.update(local(params, layer.consts))
+        prepared[name] = layer.rule.prepare(
+            layer.module, name, local(params, layer.params), consts, calls, grads[name])
+    if bookkeeping:
+        for p in prepared.values():
+            p.expect_weighted_sum()
+    return prepared
 
 
 def _cuda_devices(params: Mapping[str, Tensor]) -> list[int]:

@@ -8,25 +8,27 @@ clipped sums itself. The names here are the pieces it needs, gathered in one mod
 dependency is explicit; they follow the ghost machinery's internals and may change between
 releases, unlike the names :mod:`torchfn.persample` exports.
 
-- :class:`Tape`, :func:`batch_size_of`, :func:`fill_slots`, :func:`input_signature`,
-  :func:`lift_inputs`, :func:`template_of`, :func:`tensors_of`: the ghost model's recording of
+- :class:`Tape`, :func:`batch_size_of`, :func:`input_signature`, :func:`lift_inputs`,
+  :func:`template_of`, :func:`tensors_of`: the ghost model's recording of
   layer inputs and output gradients (``torchfn.persample._ghost_tape``);
-- :class:`Layer`, :class:`Prepared`, :func:`local`: one ghost layer's rule and its prepared
-  ``(a, g)`` state (``_ghost_grads`` / ``_ghost_layers``);
-- :func:`clip_coefficients`: per-sample clip factors from squared norms (``_dp_clipping``);
-- :func:`check_batch`: the DP step's batch check (``_dpsgd``).
+- :class:`Layer`: one ghost layer (module, rule, params); :func:`prepare_layers`: the recorded
+  layers' prepared ``(a, g)`` states, the end of a ghost pass (``_ghost_norms``);
+- :func:`clip_coefficients`: per-sample clip factors from per-sample norms (``_dp_clipping``);
+- :func:`check_batch`, :func:`check_valid`, :func:`check_buffers_unchanged`: the DP step's
+  checks of the batch, of ``valid`` against the per-sample losses and of the forward's buffers
+  (``_dpsgd``).
 """
 
 from __future__ import annotations
 
 from torchfn.persample._dp_clipping import clip_coefficients
 from torchfn.persample._dpsgd import _check_batch as check_batch
+from torchfn.persample._dpsgd import check_buffers_unchanged, check_valid
 from torchfn.persample._ghost_grads import Layer
-from torchfn.persample._ghost_layers import Prepared, local
+from torchfn.persample._ghost_norms import prepare_layers
 from torchfn.persample._ghost_tape import (
     Tape,
     batch_size_of,
-    fill_slots,
     input_signature,
     lift_inputs,
     template_of,
@@ -35,15 +37,15 @@ from torchfn.persample._ghost_tape import (
 
 __all__ = [
     "Layer",
-    "Prepared",
     "Tape",
     "batch_size_of",
     "check_batch",
+    "check_buffers_unchanged",
+    "check_valid",
     "clip_coefficients",
-    "fill_slots",
     "input_signature",
     "lift_inputs",
-    "local",
+    "prepare_layers",
     "template_of",
     "tensors_of",
 ]
