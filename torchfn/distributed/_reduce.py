@@ -90,14 +90,11 @@ def all_reduce_tree(tree: Mapping[str, Tensor], *, op: str = "mean",
             raise TypeError(f"all_reduce_tree(tree): expected a dict of tensors, got "
                             f"{type(tree[k]).__name__} at {k!r}")
     launched = []
-    eager = not torch.compiler.is_compiling()
     for bucket in _buckets(tree, int(bucket_mb * 2**20)):
         flat = torch.cat([tree[k].reshape(-1) for k in bucket])
         # eager: the bucket is ours (cat made it), so it is reduced in place -- the functional
         # all_reduce would first clone it (one more pass over the gradient)
-        # (not a tensor that autograd or a torch.func transform tracks: those take funcol's
-        # differentiable, out-of-place all_reduce)
-        owned = eager and not flat.requires_grad and not _is_wrapped(flat)
+        owned = _in_place_ok(flat)
         launched.append((bucket, owned, torch.ops._c10d_functional.all_reduce_(
             flat, "sum", pg.group_name) if owned else funcol.all_reduce(flat, "sum", pg)))
     out: dict[str, Tensor] = {}
@@ -161,9 +158,12 @@ def _materialise(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _is_wrapped(t: Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` transform's wrapper (grad, vmap, functionalize)."""
-    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+def _in_place_ok(t: Tensor) -> bool:
+    """Whether ``t``, a tensor the caller just made, may be updated in place: eagerly, and not
+    tracked by autograd or a ``torch.func`` transform (grad, vmap, functionalize) -- those,
+    and compiled code, take the out-of-place ops."""
+    return (not torch.compiler.is_compiling() and not t.requires_grad
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def _is_traced(t: Tensor) -> bool:

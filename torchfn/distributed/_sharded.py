@@ -36,7 +36,7 @@ from torchfn.distributed._donate import (
     refuse_compile,
 )
 from torchfn.distributed._env import world_info
-from torchfn.distributed._reduce import _group, _is_wrapped, _materialise, all_reduce_tree
+from torchfn.distributed._reduce import _group, _in_place_ok, _materialise, all_reduce_tree
 from torchfn.functional import (
     StepOptions,
     TrainState,
@@ -147,16 +147,15 @@ class ShardLayout:
         for names in self._by_dtype():
             # a param whose numel divides by W needs no padding: its rows are a view (the one
             # copy is the cat)
-            rows = [(torch.nn.functional.pad(grads[k].reshape(-1), (0, pad)) if pad
-                     else grads[k].reshape(-1)).view(self.world_size, -1)
-                    for k in names
-                    for pad in (self.chunk(k) * self.world_size - self.numel(k),)]
+            rows = []
+            for k in names:
+                row, pad = grads[k].reshape(-1), self.chunk(k) * self.world_size - self.numel(k)
+                rows.append((torch.nn.functional.pad(row, (0, pad)) if pad else row)
+                            .view(self.world_size, -1))
             flat = torch.cat(rows, dim=1).reshape(-1)
             mine = _materialise(_reduce_scatter(flat, "sum", 0, pg))
             if divide is not None:  # one division of the flat shard, not one per param
-                mine = (mine.div_(divide) if not torch.compiler.is_compiling()
-                        and not mine.requires_grad and not _is_wrapped(mine)
-                        else mine / divide)
+                mine = mine.div_(divide) if _in_place_ok(mine) else mine / divide
             for k, part in zip(names, mine.split([self.chunk(k) for k in names]), strict=True):
                 out[k] = part
         return {k: out[k] for k in self.shapes}

@@ -14,10 +14,10 @@ One logical step over ``W`` ranks (``state`` from :func:`init_sharded_dp_state`)
 (``normal_slice``), so the noise is bit-identical to the unsharded step's and its std is
 ``sigma C`` over the whole gradient. With ``blocks=`` the first two lines run block by block
 (``_sharded_dp_blocks.py``): the clipped sum of each block is reduce-scattered as soon as it
-is formed, and no rank holds more than one gathered block. The non-finite flag is global, so every rank skips the
-same steps; the key, the step count and adaptive clipping's threshold are replicated. The
-mechanism is the single-process one over the global batch: the accountant is stepped once per
-logical step with the global ``q``.
+is formed, and no rank holds more than one gathered block. The non-finite flag is global, so
+every rank skips the same steps; the key, the step count and adaptive clipping's threshold
+are replicated. The mechanism is the single-process one over the global batch: the accountant
+is stepped once per logical step with the global ``q``.
 """
 
 from __future__ import annotations
@@ -125,10 +125,13 @@ class ShardedDPStep:
             return getattr(self.step_fn, name)
         raise AttributeError(name)
 
-    def _full(self, state: DPState) -> DPState:
+    def _check_state(self, state: DPState) -> None:
         if not torch.compiler.is_compiling():
             check_not_donated(state, "sharded DP-SGD step")
         self.layout.check_shards(state.params, "sharded DP-SGD step: state.params")
+
+    def _full(self, state: DPState) -> DPState:
+        self._check_state(state)
         return _replace(state, params=self.layout.gather(state.params))
 
     def apply(self, state: DPState, local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
@@ -147,10 +150,9 @@ class ShardedDPStep:
     def _apply_shard(self, state: DPState, shard: TensorDict,
                      local: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
         """Noise and update from ``shard`` (this rank's flat shards of the clipped sum over
-        all ranks) and ``local``'s counts (this rank's; all-reduced here)."""
+        all ranks) and ``local``'s counts (this rank's; all-reduced here). The callers have
+        checked that ``state`` was not donated."""
         lay, dp = self.layout, self.step_fn
-        if not torch.compiler.is_compiling():
-            check_not_donated(state, "sharded DP-SGD step")
         slices = {n: (lay.numel(n), lay.rank * lay.chunk(n), lay.valid(n), lay.chunk(n))
                   for n in lay.shapes}
         grads, noised = dp._noisy(state, shard, slices)
@@ -206,8 +208,7 @@ class ShardedDPStep:
         """``(shard, local)``: the blocked clipped sums of ``batches`` (shards, summed) and
         their counts (this rank's)."""
         assert self._blocked is not None
-        check_not_donated(state, "sharded DP-SGD step")
-        self.layout.check_shards(state.params, "sharded DP-SGD step: state.params")
+        self._check_state(state)
         total = None
         for batch, valid in batches:
             part = self._blocked.clipped_sum(state, batch, valid)
