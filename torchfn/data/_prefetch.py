@@ -201,10 +201,10 @@ class DevicePrefetcher:
         queue: deque[_Pending] = deque()
         done = False
         with contextlib.ExitStack() as stack:
-            pool = None
+            copier = None
             if self._background:
-                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchfn-prefetch")
-                stack.callback(pool.shutdown, wait=True, cancel_futures=True)
+                copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchfn-prefetch")
+                stack.callback(copier.shutdown, wait=True, cancel_futures=True)
 
             def fetch() -> None:
                 nonlocal done
@@ -217,7 +217,8 @@ class DevicePrefetcher:
                     else:
                         self._state = self._snapshot()
                     return
-                copy = pool.submit(self._copy, host) if pool is not None else self._copy(host)
+                copy = (copier.submit(self._copy, host) if copier is not None
+                        else self._copy(host))
                 queue.append(_Pending(copy, self._snapshot()))
 
             while not done and len(queue) < self.depth:
