@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import tempfile
 import time
 
@@ -190,10 +191,8 @@ if unknown:
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
     """Return the mean and its standard error (0 for one value)."""
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, 0.0
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+    return statistics.fmean(xs), se
 
 
 BASE = "fixed C=1"  # paired differences are against this row (same seeds: init, sampler, noise)
