@@ -149,10 +149,13 @@ def _layers(args: argparse.Namespace, gpu_bytes: int | None) -> int:
             raise SystemExit(f"--layers: expected an int or 'auto', got {args.layers!r}") from None
     if gpu_bytes is None:
         raise SystemExit("--layers auto: needs --device cuda (it sizes the model from the GPU)")
-    d, v, t = args.d_model, args.vocab, args.seq
-    outside = 2 * v * d + t * d + 2 * d  # tok + head, pos, final norm
-    per_layer = 12 * d * d + 13 * d  # qkv + proj + 4d MLP (weights and biases) + 2 norms
-    need = gpu_bytes / 16 - outside
+    def count(layers: int) -> int:  # shapes only, from the model itself
+        with torch.device("meta"):
+            m = Decoder(args.vocab, args.d_model, layers, args.heads, args.seq)
+        return sum(p.numel() for p in m.parameters())
+
+    per_layer = count(2) - count(1)
+    need = gpu_bytes / 16 - (count(1) - per_layer)  # minus the params outside the layers
     return max(1, math.ceil(need / per_layer))
 
 
