@@ -795,8 +795,9 @@ def test_raw_kernels_check_device(kernels):
 
 
 def test_gram_norms_unchanged_by_zero_time_padding():
-    # the CUDA half-type Gram path pads T to a multiple of 8 with zero rows; the math it relies
-    # on, checked in float64 where it runs here: zero rows leave every per-sample norm exact
+    # the CUDA half-type Gram path pads T and the feature widths to multiples of 8 with zeros;
+    # the math it relies on, checked in float64 where it runs here: zero rows and columns leave
+    # every per-sample norm exact
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(3, 13, 6, generator=gen, dtype=torch.float64)
     g = torch.randn(3, 13, 5, generator=gen, dtype=torch.float64)
@@ -805,22 +806,28 @@ def test_gram_norms_unchanged_by_zero_time_padding():
     padded = reference.linear_grad_norms_sq(pad(a, (0, 0, 0, 3)), pad(g, (0, 0, 0, 3)),
                                             bias=True, method="gram")
     torch.testing.assert_close(padded, plain, rtol=1e-14, atol=0)
+    wide = reference.linear_grad_norms_sq(pad(a, (0, 2, 0, 3)), pad(g, (0, 3, 0, 3)),
+                                          method="gram")
+    torch.testing.assert_close(wide, reference.linear_grad_norms_sq(a, g, method="gram"),
+                               rtol=1e-14, atol=0)
     torch.testing.assert_close(plain, reference.linear_grad_norms_sq(a, g, bias=True,
                                                                      method="materialize"))
-    assert reference._pad_time_for_tensor_cores(a.half()).shape == (3, 13, 6)
+    assert reference._pad_for_tensor_cores(a.half()).shape == (3, 13, 6)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 def test_gram_norms_half_odd_time_cuda():
-    # a ViT's 197 tokens: the half-type Gram GEMMs run on T padded to 200, same norms (bf16:
+    # a ViT's 197 tokens (and an odd output width, as GPT-2's 50257 logits): the half-type
+    # Gram GEMMs run on T padded to 200 and widths to multiples of 8, same norms (bf16:
     # these sums overflow float16, which the ghost layers keep in float32 anyway)
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(4, 197, 64, device="cuda", generator=gen).to(dtype)
-    g = torch.randn(4, 197, 48, device="cuda", generator=gen).to(dtype)
-    assert reference._pad_time_for_tensor_cores(a).shape == (4, 200, 64)
-    assert reference._pad_time_for_tensor_cores(a.float()).shape == (4, 197, 64)
+    g = torch.randn(4, 197, 51, device="cuda", generator=gen).to(dtype)  # 51: an odd width
+    assert reference._pad_for_tensor_cores(a).shape == (4, 200, 64)
+    assert reference._pad_for_tensor_cores(g).shape == (4, 200, 56)
+    assert reference._pad_for_tensor_cores(a.float()).shape == (4, 197, 64)
     got = reference.linear_grad_norms_sq(a, g, bias=True, method="gram").double()
     want = reference.linear_grad_norms_sq(a.double(), g.double(), bias=True, method="materialize")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=0)

@@ -140,7 +140,7 @@ def linear_grad_norms_sq(
     else:
         time, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
         if method == "gram" or (method == "auto" and time * (d_in + d_out) <= d_in * d_out):
-            a_t, g_t = _pad_time_for_tensor_cores(a), _pad_time_for_tensor_cores(g)
+            a_t, g_t = _pad_for_tensor_cores(a), _pad_for_tensor_cores(g)
             gram_a = torch.einsum("bti,bsi->bts", a_t, a_t)
             gram_g = torch.einsum("bto,bso->bts", g_t, g_t)
             out = (gram_a * gram_g).sum((1, 2))
@@ -151,18 +151,20 @@ def linear_grad_norms_sq(
     return out
 
 
-def _pad_time_for_tensor_cores(x: Tensor) -> Tensor:
-    """``x (B, T, d)`` with zero rows appended so ``T`` is a multiple of 8 (half types on CUDA).
+def _pad_for_tensor_cores(x: Tensor) -> Tensor:
+    """``x (B, T, d)`` with zeros appended so ``T`` and ``d`` are multiples of 8 (half types, CUDA).
 
-    The Gram products ``x_i x_i^T`` are ``(B, T, T)`` batched GEMMs whose output rows are ``T``
-    elements apart; for float16/bfloat16 an odd ``T`` (a ViT's 197 tokens) breaks the 16-byte
-    alignment cuBLAS's Hopper tensor-core kernels need, and it falls back to far slower ones.
-    Zero rows add exact zeros to every Gram entry they touch, so the norms are unchanged.
+    The Gram products ``x_i x_i^T`` are ``(B, T, T)`` batched GEMMs contracting over ``d``:
+    their output rows are ``T`` elements apart and their operand rows ``d`` apart. For
+    float16/bfloat16 an odd ``T`` (a ViT's 197 tokens) or ``d`` (GPT-2's 50257-way logits)
+    breaks the 16-byte alignment cuBLAS's Hopper tensor-core kernels need, and it falls back
+    to far slower ones. Zero rows and columns add exact zeros to every Gram entry they touch,
+    so the norms are unchanged.
     """
-    time = x.shape[1]
-    if not x.is_cuda or x.element_size() != 2 or time % 8 == 0:
+    time, width = x.shape[1], x.shape[2]
+    if not x.is_cuda or x.element_size() != 2 or (time % 8 == 0 and width % 8 == 0):
         return x
-    return torch.nn.functional.pad(x, (0, 0, 0, -time % 8))
+    return torch.nn.functional.pad(x, (0, -width % 8, 0, -time % 8))
 
 
 def linear_bias_grad_norms_sq(g: Tensor) -> Tensor:
