@@ -462,3 +462,140 @@ def test_bad_settings_fail_clearly() -> None:
     with pytest.raises(ValueError, match=r"state has no clip_norm .* build it with "
                                          r"init_dp_state\(\.\.\., max_grad_norm=1\)"):
         step(state, (torch.randn(4, 3), torch.randint(0, 2, (4,))), torch.ones(4, dtype=bool))
+
+
+# -- target quantile schedules ---------------------------------------------------------------
+
+def test_quantile_schedule_values_at_given_steps() -> None:
+    ramp = AdaptiveClipping(target_quantile=(0.1, 0.5), quantile_steps=40)
+    for t, want in [(0, 0.1), (10, 0.2), (20, 0.3), (39, 0.1 + 0.4 * 39 / 40), (40, 0.5),
+                    (1000, 0.5)]:
+        got = ramp.target_at(torch.tensor(t))
+        assert got.dtype == F64 and got.shape == ()
+        assert float(got) == pytest.approx(want, rel=1e-15, abs=1e-15), t
+    falling = AdaptiveClipping(target_quantile=(0.9, 0.3), quantile_steps=3)
+    assert [round(float(falling.target_at(torch.tensor(t))), 12) for t in range(5)] == [
+        0.9, 0.7, 0.5, 0.3, 0.3]
+    steps = AdaptiveClipping(target_quantile=lambda t: torch.where(t < 5, 0.2, 0.7))
+    # (torch.where of Python floats is float32: the target is cast to float64 after)
+    assert [float(steps.target_at(torch.tensor(t))) for t in (0, 4, 5, 9)] == pytest.approx(
+        [0.2, 0.2, 0.7, 0.7], rel=1e-7)
+    # a callable's later values are clamped into (0, 1)
+    wild = AdaptiveClipping(target_quantile=lambda t: 0.25 + 0.25 * t.to(F64))
+    assert float(wild.target_at(torch.tensor(1))) == 0.5
+    assert float(wild.target_at(torch.tensor(4))) == pytest.approx(1 - 1e-3)
+    assert float(AdaptiveClipping(0.3).target_at(torch.tensor(7))) == 0.3
+
+
+def test_threshold_tracks_a_scheduled_quantile_on_a_stream_of_norms() -> None:
+    # norms |x|, x ~ LogNormal(0, 0.5); the target jumps from 0.2 to 0.8 at step 150 (a
+    # callable), or ramps 0.2 -> 0.8 over steps 0..150 and is held (a pair): both thresholds
+    # end at the 0.8-quantile; the jump's threshold sits at the 0.2-quantile before it
+    ghost, params, buffers = norm_model()
+    opt = torchopt.sgd(0.0)
+    qn = 64
+    normal01 = torch.distributions.Normal(0.0, 1.0)
+
+    def quantile(p: float) -> float:
+        return math.exp(0.5 * float(normal01.icdf(torch.tensor(p))))
+
+    schedules = {"jump": AdaptiveClipping(target_quantile=lambda t: torch.where(t < 150, 0.2, 0.8)),
+                 "ramp": AdaptiveClipping(target_quantile=(0.2, 0.8), quantile_steps=150)}
+    for name, adaptive in schedules.items():
+        step = make_dp_train_step(ghost, linear_loss, opt, noise_multiplier=1.0,
+                                  max_grad_norm=0.05, sample_rate=0.1, dataset_size=10 * qn,
+                                  adaptive_clipping=adaptive)
+        state = init_dp_state(params, buffers, opt, seed=2, max_grad_norm=0.05)
+        gen = torch.Generator().manual_seed(7)
+        ones, valid = torch.ones(qn, dtype=F64), torch.ones(qn, dtype=torch.bool)
+        history, targets = [], []
+        for _ in range(300):
+            xs = torch.exp(0.5 * torch.randn(qn, 1, dtype=F64, generator=gen))
+            targets.append(float(adaptive.target_at(state.step)))
+            state, _ = step(state, (xs, ones), valid)
+            history.append(float(state.clip_norm))
+
+        def mean_log(hs: list[float]) -> float:
+            return sum(math.log(h) for h in hs) / len(hs)
+
+        assert abs(mean_log(history[-100:]) - math.log(quantile(0.8))) < 0.05, name
+        if name == "jump":
+            assert abs(mean_log(history[75:150]) - math.log(quantile(0.2))) < 0.05
+        else:  # the ramp: the threshold follows the moving quantile, a few steps behind
+            assert targets[75] == pytest.approx(0.5)
+            assert abs(mean_log(history[70:90]) - math.log(quantile(0.5))) < 0.12
+
+
+def test_quantile_schedule_leaves_the_accounting_unchanged() -> None:
+    ghost, params, buffers = make_ghost_model(nn.Linear(5, 3).to(F64))
+    opt = torchopt.sgd(0.1)
+    kw = {"noise_multiplier": 1.3, "max_grad_norm": 0.5, "sample_rate": 0.1,
+          "dataset_size": 60}
+    fixed = make_dp_train_step(ghost, xent, opt, **kw,
+                               adaptive_clipping=AdaptiveClipping(count_noise_multiplier=2.0))
+    ramp = make_dp_train_step(ghost, xent, opt, **kw, adaptive_clipping=AdaptiveClipping(
+        (0.05, 0.5), count_noise_multiplier=2.0, quantile_steps=10))
+    assert ramp.grad_noise_multiplier == fixed.grad_noise_multiplier == pytest.approx(
+        adaptive_grad_noise_multiplier(1.3, 2.0))
+    x, y = data(seed=3, n=60)
+    sampler = PoissonSampler(60, 0.1, 16, seed=0)
+    accts = []
+    for step in (fixed, ramp):
+        acct = RDPAccountant()
+        state = init_dp_state(params, buffers, opt, seed=1, max_grad_norm=0.5)
+        for t in range(3):
+            state, _ = step.run(state, sampler.sample(t), lambda i: (x[i], y[i]), acct)
+        accts.append(acct)
+    assert accts[0].history == accts[1].history == ((1.3, 0.1, 3),)
+    assert accts[0].get_epsilon(1e-5) == accts[1].get_epsilon(1e-5)
+    # the same noise draws: at step 0 both targets... differ (0.5 vs 0.05), so C_1 differs by
+    # exactly exp(eta (0.5 - 0.05)) for the same count
+    s0 = init_dp_state(params, buffers, opt, seed=1, max_grad_norm=0.5)
+    x0, y0 = x[:8], y[:8]
+    valid = torch.ones(8, dtype=torch.bool)
+    a, _ = fixed(s0, (x0, y0), valid)
+    b, _ = ramp(s0, (x0, y0), valid)
+    assert float(b.clip_norm / a.clip_norm) == pytest.approx(math.exp(0.2 * (0.05 - 0.5)),
+                                                             rel=1e-12)
+
+
+def test_quantile_schedule_compiled_equals_eager_without_recompiles() -> None:
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(nn.Linear(5, 3).to(F64))
+    opt = torchopt.sgd(0.1)
+    for adaptive in (AdaptiveClipping((0.1, 0.6), 0.5, 2.0, quantile_steps=3),
+                     AdaptiveClipping(lambda t: 0.1 + 0.4 * torch.sigmoid(t.to(F64) - 2.0),
+                                      0.5, 2.0)):
+        step = make_dp_train_step(ghost, xent, opt, noise_multiplier=1.0, max_grad_norm=0.05,
+                                  sample_rate=0.2, dataset_size=50, adaptive_clipping=adaptive)
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        eager = comp = init_dp_state(params, buffers, opt, seed=5, max_grad_norm=0.05)
+        for t in range(5):
+            x, y = data(seed=t)
+            valid = torch.ones(10, dtype=torch.bool)
+            eager, _ = step(eager, (x, y), valid)
+            comp, _ = compiled(comp, (x, y), valid)
+            torch.testing.assert_close(comp.clip_norm, eager.clip_norm, rtol=1e-12, atol=0)
+            for k in params:
+                torch.testing.assert_close(comp.params[k], eager.params[k], rtol=1e-9,
+                                           atol=1e-12, msg=k)
+            if t == 0:
+                first = counter.frame_count
+                assert first in (1, 2)  # see test_adaptive_compiled_equals_eager_...
+        assert counter.frame_count == first  # the step counter moved the target: no recompile
+
+
+def test_bad_quantile_schedules_fail_clearly() -> None:
+    with pytest.raises(ValueError, match=r"a \(start, end\) ramp needs quantile_steps, an int "
+                                         r">= 1 .* got None"):
+        AdaptiveClipping(target_quantile=(0.1, 0.5))
+    with pytest.raises(ValueError, match=r"target_quantile=\(start, end\)\): expected two "
+                                         r"fractions in \(0, 1\), got \(0\.1, 1\.0\)"):
+        AdaptiveClipping(target_quantile=(0.1, 1.0), quantile_steps=5)
+    with pytest.raises(ValueError, match=r"quantile_steps=10\): only for a \(start, end\) "
+                                         r"target_quantile, got target_quantile=0\.5"):
+        AdaptiveClipping(target_quantile=0.5, quantile_steps=10)
+    with pytest.raises(ValueError, match=r"expected the schedule to return a fraction in "
+                                         r"\(0, 1\), got 0\.0 at step 0"):
+        AdaptiveClipping(target_quantile=lambda t: t.to(F64))

@@ -27,7 +27,8 @@ def test_dp_clipping_example_smoke(tmp_path: Path) -> None:
                           "adaptive (C_0=0.1, q=0.1)", "adaptive normalised (C_0=0.1, median)",
                           "adaptive normalised (C_0=0.1, median, sigma_b=qN/5)",
                           "automatic C=1",
-                          "adaptive normalised (C_0=0.1, quantile picked on validation)"]
+                          "adaptive normalised (C_0=0.1, quantile picked on validation)",
+                          "adaptive normalised (C_0=0.1, median, lr picked on validation)"]
     assert res["split"] == "test" and (res["n_train"], res["n_eval"]) == (240, 60)
     for r in rows.values():  # every setting spent the target epsilon, within 1%
         assert abs(r["epsilon"] - 3.0) < 0.03
@@ -47,6 +48,9 @@ def test_dp_clipping_example_smoke(tmp_path: Path) -> None:
     assert picked["accuracies"] == rows["adaptive normalised (C_0=0.1, median)"]["accuracies"]
     assert picked["final_clip_norm"] == rows["adaptive normalised (C_0=0.1, median)"][
         "final_clip_norm"]
+    # the learning rate picked on validation at epsilon 3 is the example's 0.5: the median run
+    assert rows["adaptive normalised (C_0=0.1, median, lr picked on validation)"][
+        "accuracies"] == rows["adaptive normalised (C_0=0.1, median)"]["accuracies"]
     # paired differences against fixed C=1 (same seeds), with their standard errors
     assert rows["fixed C=1"]["diff_vs_fixed_C1"] == 0.0 and "diff_se" in picked
     assert abs(picked["diff_vs_fixed_C1"] - (picked["test_accuracy"]
@@ -60,4 +64,14 @@ def test_dp_clipping_example_validation_sweep(tmp_path: Path) -> None:
     assert res["split"] == "validation" and (res["n_train"], res["n_eval"]) == (192, 48)
     names = [r["setting"] for r in res["rows"]]
     assert names == ["fixed C=1", "automatic C=1"] + [
-        f"adaptive normalised (C_0=0.1, q={q})" for q in ("0.1", "0.15", "0.2", "0.3", "0.5")]
+        f"adaptive normalised (C_0=0.1, q={q})" for q in ("0.1", "0.15", "0.2", "0.3", "0.5")] + [
+        f"adaptive normalised (C_0=0.1, median, lr {lr})" for lr in ("0.25", "0.35")] + [
+        f"fixed C={c}" for c in ("0.5", "0.7", "1.5", "2")]
+
+
+def test_dp_clipping_example_quantile_ramp(tmp_path: Path) -> None:
+    res = run_example(tmp_path, "--quantile-ramp", "0.02,0.4", "--only",
+                      "fixed C=1|adaptive normalised (C_0=0.1, ramp 0.02->0.4)")
+    ramp = res["rows"][1]
+    assert ramp["setting"] == "adaptive normalised (C_0=0.1, ramp 0.02->0.4)"
+    assert abs(ramp["epsilon"] - 3.0) < 0.03 and ramp["final_clip_norm"] != 0.1

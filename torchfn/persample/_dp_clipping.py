@@ -28,6 +28,7 @@ Per-sample coefficients ``coef_i`` (the clipped sum is ``sum_i coef_i g_i``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,25 +66,66 @@ class AdaptiveClipping:
     on itself under heavy noise (noisier steps, larger norms, larger ``C_t``). Dividing the
     released sum by ``C_t`` is post-processing (``C_t`` is a function of the counts already
     released): the privacy cost is unchanged. The learning rate then sets the step of a
-    unit-norm mean, as with a fixed threshold ``C = 1``. ``docs/dp_clipping.md`` has the
-    comparison behind the default ``True``.
+    unit-norm mean, as with a fixed threshold ``C = 1``, and takes over the step-size half of
+    tuning ``C`` (under heavy noise a smaller learning rate wins, as a smaller fixed ``C``
+    does). ``docs/dp_clipping.md`` has the comparison behind the default ``True``.
+
+    **Quantile schedule.** ``target_quantile`` may also move over training:
+
+    - a pair ``(start, end)`` with ``quantile_steps = T``: the target at logical step ``t``
+      (``state.step``) is ``start + (end - start) * min(t / T, 1)``, a linear ramp held at
+      ``end`` from step ``T`` on;
+    - a callable ``schedule(step) -> target``: ``step`` is the int64 0-d ``state.step``, the
+      result a 0-d tensor (or a float) in ``(0, 1)``. Inside a compiled step it is traced, so
+      write it with tensor ops (``torch.clamp``, ``torch.where``), not Python branches on
+      ``step``'s value. It is checked at step 0 only; later values are clamped to
+      ``[1e-3, 1 - 1e-3]``.
+
+    The schedule changes only which quantile the threshold chases; the noisy count and its
+    privacy cost are the same at every step.
 
     Example:
         >>> AdaptiveClipping(target_quantile=0.7).learning_rate
         0.2
+        >>> ramp = AdaptiveClipping(target_quantile=(0.1, 0.5), quantile_steps=100)
+        >>> [round(float(ramp.target_at(torch.tensor(t))), 3) for t in (0, 50, 100, 200)]
+        [0.1, 0.3, 0.5, 0.5]
     """
 
-    target_quantile: float = 0.5
+    target_quantile: float | tuple[float, float] | Callable[[Tensor], Tensor | float] = 0.5
     learning_rate: float = 0.2
     count_noise_multiplier: float | None = None
     normalize_update: bool = True
+    quantile_steps: int | None = None
 
     def __post_init__(self) -> None:
         where = "AdaptiveClipping"
-        tq = self.target_quantile
-        if isinstance(tq, bool) or not isinstance(tq, (int, float)) or not 0.0 < tq < 1.0:
-            raise ValueError(f"{where}(target_quantile=...): expected a fraction in (0, 1), got "
-                             f"{tq!r} (0 or 1 would shrink or grow the threshold forever)")
+        tq, steps = self.target_quantile, self.quantile_steps
+        if isinstance(tq, tuple):
+            if len(tq) != 2 or not all(_is_fraction(v) for v in tq):
+                raise ValueError(f"{where}(target_quantile=(start, end)): expected two fractions "
+                                 f"in (0, 1), got {tq!r}")
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                raise ValueError(f"{where}(target_quantile={tq!r}, quantile_steps=...): a "
+                                 f"(start, end) ramp needs quantile_steps, an int >= 1 (the "
+                                 f"logical steps from start to end), got {steps!r}")
+        elif callable(tq):
+            if steps is not None:
+                raise ValueError(f"{where}(quantile_steps={steps!r}): only for a (start, end) "
+                                 "target_quantile; a schedule callable sets its own steps")
+            first = float(tq(torch.zeros((), dtype=torch.int64)))
+            if not 0.0 < first < 1.0:
+                raise ValueError(f"{where}(target_quantile=<schedule>): expected the schedule to "
+                                 f"return a fraction in (0, 1), got {first!r} at step 0")
+        else:
+            if not _is_fraction(tq):
+                raise ValueError(f"{where}(target_quantile=...): expected a fraction in (0, 1), "
+                                 f"got {tq!r} (0 or 1 would shrink or grow the threshold "
+                                 "forever), or a (start, end) pair of them with quantile_steps, "
+                                 "or a schedule callable")
+            if steps is not None:
+                raise ValueError(f"{where}(quantile_steps={steps!r}): only for a (start, end) "
+                                 f"target_quantile, got target_quantile={tq!r}")
         lr = self.learning_rate
         if (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
                 or lr <= 0):
@@ -97,6 +139,26 @@ class AdaptiveClipping:
         if not isinstance(self.normalize_update, bool):
             raise TypeError(f"{where}(normalize_update=...): expected True or False, got "
                             f"{self.normalize_update!r}")
+
+
+    def target_at(self, step: Tensor) -> Tensor:
+        """Return the target quantile (float64 0-d) at logical step ``step`` (int64 0-d).
+
+        No Python branch on ``step``'s value, so a compiled step traces it once."""
+        tq = self.target_quantile
+        if isinstance(tq, tuple):
+            assert self.quantile_steps is not None
+            frac = torch.clamp(step.to(torch.float64) / float(self.quantile_steps), max=1.0)
+            return tq[0] + (tq[1] - tq[0]) * frac
+        if callable(tq):
+            out = torch.as_tensor(tq(step), dtype=torch.float64, device=step.device)
+            return torch.clamp(out, 1e-3, 1.0 - 1e-3)
+        return torch.full((), float(tq), dtype=torch.float64, device=step.device)
+
+
+def _is_fraction(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and 0.0 < value < 1.0)
 
 
 def adaptive_grad_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
@@ -132,10 +194,12 @@ def clip_coefficients(norm: Tensor, c: float | Tensor, gamma: float | None) -> T
 
 def next_clip_norm(clip_norm: Tensor, unclipped: Tensor, count: Tensor, z: Tensor, *,
                    settings: AdaptiveClipping, count_noise: float,
-                   expected_batch_size: float) -> tuple[Tensor, Tensor]:
-    """Return ``(C_{t+1}, b_t)`` (0-d, ``clip_norm``'s dtype) from the counts and a normal ``z``."""
+                   expected_batch_size: float, step: Tensor) -> tuple[Tensor, Tensor]:
+    """Return ``(C_{t+1}, b_t)`` (0-d, ``clip_norm``'s dtype) from the counts and a normal ``z``;
+    ``step`` (int64 0-d, the logical step ``t``) picks a scheduled target quantile."""
     dtype = clip_norm.dtype
     centred = unclipped.to(dtype) - 0.5 * count.to(dtype)
     frac = (centred + count_noise * z.to(dtype)) / expected_batch_size + 0.5
-    new = clip_norm * torch.exp(-settings.learning_rate * (frac - settings.target_quantile))
+    target = settings.target_at(step).to(dtype)
+    new = clip_norm * torch.exp(-settings.learning_rate * (frac - target))
     return new, frac

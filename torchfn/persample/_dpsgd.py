@@ -496,7 +496,8 @@ class DPTrainStep:
         new, frac = next_clip_norm(clip_norm, total.count - total.clipped, total.count, z,
                                    settings=adaptive,
                                    count_noise=float(adaptive.count_noise_multiplier),
-                                   expected_batch_size=self.expected_batch_size)
+                                   expected_batch_size=self.expected_batch_size,
+                                   step=state.step)
         if skipped is not None:  # a skipped (non-finite) step keeps its threshold too
             new = torch.where(skipped, clip_norm, new)
         return new, frac
