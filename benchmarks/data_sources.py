@@ -14,7 +14,8 @@ Rows per case (the same arrays written in each format):
   ``np.load(mmap_mode="r")`` + a plain map-style ``Dataset`` (shuffled, default collate);
 - ``tar``: ``StreamingDataset(TarSource(dir))`` vs webdataset's
   ``WebDataset(...).shuffle(1000).decode().to_tuple(...).batched(256)`` + ``WebLoader``;
-- ``parquet``: ``StreamingDataset(ParquetSource(dir, label_column="label"))`` vs pyarrow
+- ``parquet``: ``StreamingDataset(ParquetSource(dir, label_column="label"))`` (shuffled, and
+  ``shuffle=False``: file order, like ``iter_batches``) vs pyarrow
   ``ParquetFile.iter_batches(256)`` (files split over the workers, file order: no shuffle;
   columns to tensors with ``flatten().to_numpy()``);
 - ``hf``: ``StreamingDataset(HFDiskSource(dir))`` over a ``save_to_disk`` layout written with
@@ -229,10 +230,10 @@ def _agree(a: dict[str, float], b: dict[str, float]) -> bool:
                for k in ("label_sum", "x_sum", "x_label_sum"))
 
 
-def _streaming(src: Any) -> Callable[[], Iterable[Any]]:
+def _streaming(src: Any, shuffle: bool = True) -> Callable[[], Iterable[Any]]:
     def make() -> Iterable[Any]:
-        return DataLoader(StreamingDataset(src, batch_size=BATCH, seed=0), batch_size=None,
-                          num_workers=WORKERS)
+        return DataLoader(StreamingDataset(src, batch_size=BATCH, seed=0, shuffle=shuffle),
+                          batch_size=None, num_workers=WORKERS)
     return make
 
 
@@ -309,6 +310,8 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
         pfiles = sorted(os.path.join(d["parquet"], f) for f in os.listdir(d["parquet"]))
         loaders += [
             ("parquet", "StreamingDataset", _streaming(sources["parquet"])),
+            # file order, like iter_batches: the like-for-like comparison with it
+            ("parquet", "StreamingDataset shuffle=False", _streaming(sources["parquet"], False)),
             ("parquet", OWN["parquet"], lambda: DataLoader(
                 _ParquetBatches(pfiles), batch_size=None, num_workers=WORKERS)),
             ("hf", "StreamingDataset", _streaming(sources["hf"])),
@@ -332,11 +335,11 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
         row: dict[str, Any] = {"format": fmt, "loader": loader}
         if isinstance(make, str):
             row["status"] = make
-            print(f"{name:6s} {fmt:8s} {loader:28s} {make}", flush=True)
+            print(f"{name:6s} {fmt:8s} {loader:32s} {make}", flush=True)
         else:
             row.update(_measure(make, xkeys.get(fmt, "x"), repeats))
             row["status"] = "ok"
-            print(f"{name:6s} {fmt:8s} {loader:28s} {row['samples_per_s']:10.0f} samples/s  "
+            print(f"{name:6s} {fmt:8s} {loader:32s} {row['samples_per_s']:10.0f} samples/s  "
                   f"(load {row['loadavg'][0]:.2f} -> {row['loadavg'][1]:.2f})", flush=True)
         res["rows"].append(row)
 
@@ -346,7 +349,7 @@ def run_case(name: str, shape: tuple[int, ...], n: int, repeats: int, per_shard:
     for r in timed:
         r["agree"] = _agree(r["sums"], base["sums"])
         r["vs_in_memory"] = r["samples_per_s"] / base["samples_per_s"]
-        if r["loader"] == "StreamingDataset":
+        if r["loader"].startswith("StreamingDataset"):
             r["goal_vs_memory"] = "ok" if r["vs_in_memory"] >= GOAL_VS_MEMORY else "MISS"
             o = own.get(r["format"])
             if o is not None:
@@ -396,7 +399,8 @@ def write_md(out: dict[str, Any], path: str) -> None:
         f"21): each reader through `StreamingDataset` >= {GOAL_VS_MEMORY}x in-memory and faster "
         "than the format's own loader. `agree`: sample count, label sum, x sum and "
         "sum(x.sum() * (label + 1)) equal the in-memory loader's (float64). The pyarrow "
-        "`iter_batches` row reads in file order (no shuffle); the others shuffle.",
+        "`iter_batches` row reads in file order (no shuffle), as does `StreamingDataset "
+        "shuffle=False` (the like-for-like row); the others shuffle.",
         "",
     ]
     for case in out["results"]:

@@ -734,6 +734,71 @@ def test_shared_decode_cache_skips_a_unit_being_decoded_elsewhere():
     assert not os.path.exists(path)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the shared decode cache needs fcntl")
+def test_shared_decode_cache_recycles_files_only_once_unmapped():
+    import gc
+
+    from torchfn.data._shmcache import SharedDecodeCache
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    cache = SharedDecodeCache(owner, "test")
+
+    def unit(v):
+        return lambda: {"a": np.full((3, 4), float(v))}
+
+    path = cache.path
+
+    def files():
+        return sorted(e for e in os.listdir(path) if e.endswith(".npy"))
+
+    cache.get(0, ["a"], unit(0))
+    mapped = cache.get(0, ["a"], unit(-1))["a"]  # a reader's map of unit 0 (share-locked)
+    assert mapped.tolist() == np.full((3, 4), 0.0).tolist()
+    cache.evict(0, ["a"])  # its file goes to the free pool, still mapped
+    assert [f.startswith("free-") for f in files()] == [True]
+    cache.get(1, ["a"], unit(1))  # must not overwrite the mapped file: a new one
+    assert sorted(f.startswith("free-") for f in files()) == [False, True]
+    assert mapped.tolist() == np.full((3, 4), 0.0).tolist()
+    del mapped
+    gc.collect()  # the map closes: the lock goes with it
+    cache.get(2, ["a"], unit(2))  # reuses the free file
+    assert files() == ["1-0.npy", "2-0.npy"]
+    assert cache.get(2, ["a"], unit(-1))["a"].tolist() == np.full((3, 4), 2.0).tolist()
+    assert cache.get(1, ["a"], unit(-1))["a"].tolist() == np.full((3, 4), 1.0).tolist()
+    cache.free_files = 0  # over the cap: evicted files are deleted
+    cache.evict(1, ["a"])
+    assert files() == ["2-0.npy"]
+    del owner, cache
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="gather_rows needs memfd_create")
+def test_gather_rows_writes_rows_and_the_label_tail(monkeypatch):
+    import torchfn.data._alloc as alloc
+
+    monkeypatch.setattr(alloc, "get_worker_info", lambda: object())  # as in a worker
+    a = np.arange(24, dtype=np.float32).reshape(6, 2, 2)
+    b = -np.arange(12, dtype=np.float32).reshape(3, 2, 2)
+    parts = [(a, np.array([4, 0, 1, 2]), np.array([0, 2, 3, 4])),  # a run: rows 0, 1, 2
+             (b, np.array([2, 1]), np.array([1, 5]))]
+    alloc.reserve_tail(8 * 6)
+    got = alloc.gather_rows(parts, 6)
+    tail = alloc.take_tail()
+    ref = np.stack([a[4], b[2], a[0], a[1], a[2], b[1]])
+    assert got.tolist() == ref.tolist() and got.dtype == np.float32
+    t = alloc.batch_tensor(got)
+    assert t.untyped_storage().is_shared() and t.tolist() == ref.tolist()
+    assert tail.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    tail.view(torch.int64)[:] = torch.arange(6)  # the labels' bytes are writable, after the rows
+    assert t.tolist() == ref.tolist() and tail.view(torch.int64).tolist() == list(range(6))
+    monkeypatch.setattr(alloc, "get_worker_info", lambda: None)
+    assert alloc.gather_rows(parts, 6) is None  # outside a worker: the caller's own path
+
+
 def test_batch_tensor_keeps_the_shared_block():
     from torchfn.data._alloc import alloc_bytes, batch_tensor
 

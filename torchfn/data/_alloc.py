@@ -9,6 +9,7 @@ the labels' bytes (``reserve_tail``) before the source reads, and the source's f
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 
@@ -99,3 +100,67 @@ def batch_tensor(a: np.ndarray) -> torch.Tensor:
     if offset % a.dtype.itemsize or not 0 <= offset <= storage.nbytes() - a.nbytes:
         return t
     return torch.empty(0, dtype=t.dtype).set_(storage, offset // a.dtype.itemsize, t.shape)
+
+
+_IOV_MAX = 1024  # Linux's limit on the buffers of one pwritev
+
+
+def _memfd_ok() -> bool:
+    return (hasattr(os, "memfd_create") and hasattr(os, "pwritev")
+            and hasattr(torch.UntypedStorage, "_new_shared_fd_cpu"))
+
+
+def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) -> np.ndarray | None:
+    """Returns the ``(n, *row_shape)`` batch whose row ``dst[j]`` is ``src[rows[j]]`` for each
+    ``(src, rows, dst)`` of ``parts`` (``src``: ``(k, *row_shape)`` C-contiguous arrays of one
+    dtype; the ``dst`` positions cover ``0..n-1`` once), written in a DataLoader worker (Linux)
+    straight from the sources into a fresh shared-memory file with ``pwritev`` (the kernel
+    allocates the pages as it copies: no page faults, no zero fill, no temporary); the labels'
+    reservation (``reserve_tail``) is honoured as ``empty_batch`` does. Returns None outside a
+    worker or where there is no ``memfd_create``: the caller then uses ``empty_batch``."""
+    if n == 0 or get_worker_info() is None or not _memfd_ok():
+        return None
+    src0 = parts[0][0]
+    row_shape, dtype = src0.shape[1:], src0.dtype
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = n * row_bytes
+    if row_bytes == 0:
+        return None
+    which = np.empty(n, dtype=np.int64)  # part of each batch row
+    srow = np.empty(n, dtype=np.int64)  # its row in that part
+    views = []
+    for k, (src, rows, dst) in enumerate(parts):
+        if src.shape[1:] != row_shape or src.dtype != dtype or not src.flags.c_contiguous:
+            return None
+        views.append(memoryview(src.reshape(-1).view(np.uint8)))
+        which[dst], srow[dst] = k, rows
+    # runs of consecutive source rows (file order) go in one buffer
+    cut = np.flatnonzero((np.diff(which) != 0) | (np.diff(srow) != 1)) + 1
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), n]
+    bufs = [views[w][r * row_bytes:(r + m) * row_bytes] for w, r, m in zip(
+        which[starts].tolist(), srow[starts].tolist(),
+        (np.asarray(ends) - np.asarray(starts)).tolist(), strict=True)]
+    slot = getattr(_pending, "slot", None)
+    tail = slot is not None and slot[1] is None
+    start = -(-nbytes // _ALIGN) * _ALIGN
+    total = start + slot[0] if tail else nbytes  # type: ignore[index]
+    fd = os.memfd_create("torchfn-batch", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        os.ftruncate(fd, total)
+        off = 0
+        for i in range(0, len(bufs), _IOV_MAX):
+            chunk = bufs[i:i + _IOV_MAX]
+            want = sum(len(b) for b in chunk)
+            done = os.pwritev(fd, chunk, off)
+            while done < want:  # a short write (rare): write the rest one buffer at a time
+                rest = b"".join(bytes(b) for b in chunk)[done:]
+                done += os.pwrite(fd, rest, off + done)
+            off += want
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, total)  # maps a dup of fd
+    finally:
+        os.close(fd)
+    buf = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (total,))
+    if tail:
+        slot[1] = buf[start:]  # type: ignore[index]
+    return buf[:nbytes].numpy().view(dtype).reshape(n, *row_shape)

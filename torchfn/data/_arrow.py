@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._alloc import batch_tensor, empty_batch
+from ._alloc import batch_tensor, empty_batch, gather_rows
 from ._fsio import is_url, open_binary
 from ._shmcache import SharedDecodeCache
 from ._sources import _as_ids, _digest, _expand, collate_values
@@ -47,11 +47,13 @@ def _arrow_numpy(col: Any, pa: Any) -> np.ndarray | None:
            or pa.types.is_fixed_size_list(cur.type)):
         if cur.null_count or len(cur) == 0:
             return None
-        lengths = pa.compute.min_max(pa.compute.list_value_length(cur))
-        lo, hi = lengths["min"].as_py(), lengths["max"].as_py()
-        if lo != hi:
-            return None
-        shape.append(lo)
+        if pa.types.is_fixed_size_list(cur.type):
+            shape.append(cur.type.list_size)
+        else:  # one length for all rows: read from the offsets (no compute kernel)
+            lengths = np.diff(cur.offsets.to_numpy())
+            if lengths.min() != lengths.max():
+                return None
+            shape.append(int(lengths[0]))
         cur = cur.flatten()
     t = cur.type
     if cur.null_count or not (pa.types.is_integer(t) or pa.types.is_floating(t)
@@ -223,14 +225,24 @@ class _ArrowSource:
             ) != 1:
                 slow.append(c)
                 continue
-            a0 = arrays[0]
-            dst = empty_batch((len(ids), *a0.shape[1:]), a0.dtype)  # type: ignore[union-attr]
             if len(uniq) == 1:
-                np.take(a0, ids - self._starts[uniq[0]], axis=0, out=dst)
+                parts = [(arrays[0], ids - self._starts[uniq[0]], np.arange(len(ids)))]
             else:
+                parts = []
                 for u, a in zip(uniq, arrays, strict=True):
                     rows = np.flatnonzero(units == u)
-                    dst[rows] = a[ids[rows] - self._starts[u]]  # type: ignore[index]
+                    parts.append((a, ids[rows] - self._starts[u], rows))
+            # in a worker: the rows written straight from the decoded arrays into the batch's
+            # shared memory (one pwritev); else gathered into an empty batch
+            dst = gather_rows(parts, len(ids))  # type: ignore[arg-type]
+            if dst is None:
+                a0 = arrays[0]
+                dst = empty_batch((len(ids), *a0.shape[1:]), a0.dtype)  # type: ignore[union-attr]
+                for a, src_rows, rows in parts:
+                    if len(parts) == 1:
+                        np.take(a, src_rows, axis=0, out=dst)
+                    else:
+                        dst[rows] = a[src_rows]  # type: ignore[index]
             out[c] = batch_tensor(dst)
         if slow:  # strings, ragged lists, nulls, shapes that differ between units
             pa = _pyarrow(self._who)

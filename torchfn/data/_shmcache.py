@@ -7,9 +7,14 @@ that needs unit ``u`` takes ``u``'s file lock, decodes it and writes its numeric
 ``.npy`` files into a directory in shared memory (``/dev/shm``), the others wait on the lock
 and memory-map those files. Files appear atomically (written to a temporary name, then
 renamed; the column list last), so a reader sees a unit whole or not at all. A process that
-evicts a unit from its own LRU deletes its files (a process still mapping them keeps reading
-them: unlinked files live until unmapped; one that looks for them later decodes again). The
-directory is removed when the process that created the source exits or drops it.
+evicts a unit from its own LRU deletes its column list and renames its column files into a
+pool of free files (one that looks for the unit later decodes again); the next unit written
+overwrites a free file instead of a new one, so its shared-memory pages are reused rather
+than allocated and zero-filled (the cost that dominates writing a decoded row group). A
+reader share-locks (``flock``) each file it maps for as long as the map lives, and a writer
+takes a free file only under an exclusive lock it gets at once, so no file is overwritten
+while a process still maps it. The directory is removed when the process that created the
+source exits or drops it.
 """
 
 from __future__ import annotations
@@ -48,29 +53,37 @@ def _remove_if_owner(path: str, owner: int) -> None:
 def _map_npy(path: str) -> np.ndarray:
     """Returns the ``.npy`` file at ``path`` as a read-only memory-mapped array, its pages
     mapped up front (``MAP_POPULATE`` where there is one: one call instead of a page fault per
-    page on first touch)."""
+    page on first touch). The file is share-locked (``flock``) for as long as the map lives (the
+    map keeps a duplicate of the descriptor), so no process recycles it meanwhile; raises
+    ``FileNotFoundError`` when ``path`` was recycled between opening and locking."""
     with open(path, "rb") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            if os.fstat(f.fileno()).st_ino != os.stat(path).st_ino:
+                raise FileNotFoundError(path)
         version = np.lib.format.read_magic(f)
         header = {(1, 0): np.lib.format.read_array_header_1_0,
                   (2, 0): np.lib.format.read_array_header_2_0}.get(version)
         if header is None:
-            return np.load(path, mmap_mode="r")
+            raise ValueError(f"{path}: .npy version {version}")
         shape, fortran, dtype = header(f)
         offset = f.tell()
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes == 0 or dtype.hasobject:
-            return np.load(path, mmap_mode="r")
+        count = int(np.prod(shape, dtype=np.int64))
+        if count == 0 or dtype.hasobject:
+            return np.load(path, allow_pickle=False).reshape(shape)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        m = mmap.mmap(f.fileno(), offset + nbytes, flags=flags, prot=mmap.PROT_READ)
-    a = np.frombuffer(m, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset)
+        m = mmap.mmap(f.fileno(), offset + count * dtype.itemsize, flags=flags,
+                      prot=mmap.PROT_READ)
+    a = np.frombuffer(m, dtype=dtype, count=count, offset=offset)
     return a.reshape(shape, order="F" if fortran else "C")
 
 
 class SharedDecodeCache:
     """Shared ``{column: array or None}`` per unit; ``None`` where sharing is unavailable."""
 
-    def __init__(self, owner_obj: Any, tag: str) -> None:
+    def __init__(self, owner_obj: Any, tag: str, free_files: int = 8) -> None:
         root = _shm_root()
+        self.free_files = free_files  # evicted column files kept for recycling
         self.owner = os.getpid()  # the process that made it (and removes the directory)
         self.path: str | None = None
         if fcntl is None or root is None:
@@ -115,7 +128,7 @@ class SharedDecodeCache:
                     a = arrays[c]
                     if a is None:
                         continue
-                    self._atomic(f"{unit}-{i}.npy", lambda f, a=a: np.save(f, a))
+                    self._write_npy(f"{unit}-{i}.npy", a)
                     shared.append(c)
                 self._atomic(f"{unit}.json", lambda f: f.write(json.dumps(shared).encode()))
                 return arrays
@@ -129,10 +142,79 @@ class SharedDecodeCache:
             write(f)
         os.replace(tmp, os.path.join(self.path, name))
 
+    def _write_npy(self, name: str, a: np.ndarray) -> None:
+        """Writes ``a`` as ``name`` (atomically), into a recycled file when one is free: its
+        shared-memory pages are then overwritten, not allocated and zero-filled again."""
+        assert self.path is not None
+        f = self._take_free()
+        if f is None:
+            self._atomic(name, lambda f: np.save(f, a))
+            return
+        with f:  # exclusively locked until it has its new name
+            np.save(f, a)
+            f.truncate()
+            f.flush()
+            os.replace(f.name, os.path.join(self.path, name))
+
+    def _take_free(self) -> Any:
+        """Returns an evicted file no process maps (exclusively locked, renamed to a temporary
+        name, opened for writing), or None."""
+        assert self.path is not None
+        for entry in os.listdir(self.path):
+            if not entry.startswith("free-"):
+                continue
+            path = os.path.join(self.path, entry)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a reader maps it
+                if os.fstat(fd).st_ino != os.stat(path).st_ino:  # taken by another writer
+                    raise BlockingIOError
+                tmp = os.path.join(self.path, f".{uuid.uuid4().hex}.{os.getpid()}.tmp")
+                os.replace(path, tmp)
+            except (BlockingIOError, FileNotFoundError):
+                os.close(fd)
+                continue
+            f = os.fdopen(fd, "r+b")
+            return _Named(f, tmp)
+        return None
+
     def evict(self, unit: int, columns: list[str]) -> None:
-        """Deletes unit ``unit``'s shared files (its column list first)."""
+        """Drops unit ``unit``'s shared files (its column list first); its column files are
+        kept for recycling (up to ``free_files`` of them; readers that still map one keep it
+        locked, so it is reused only after them)."""
         if self.path is None:
             return
-        for name in (f"{unit}.json", *(f"{unit}-{i}.npy" for i in range(len(columns)))):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.path, f"{unit}.json"))
+        try:
+            free = sum(e.startswith("free-") for e in os.listdir(self.path))
+        except FileNotFoundError:
+            return
+        for i in range(len(columns)):
+            path = os.path.join(self.path, f"{unit}-{i}.npy")
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.path, name))
+                if free < self.free_files:
+                    os.replace(path, os.path.join(self.path, f"free-{uuid.uuid4().hex}.npy"))
+                    free += 1
+                else:
+                    os.unlink(path)
+
+
+class _Named:
+    """A file object whose ``name`` is the path it was renamed to (``os.fdopen`` names it by
+    its descriptor)."""
+
+    def __init__(self, f: Any, name: str) -> None:
+        self._f, self.name = f, name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._f, attr)
+
+    def __enter__(self) -> _Named:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
