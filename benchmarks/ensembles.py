@@ -44,7 +44,7 @@ from torch import nn
 from torchfn.compile import make_graphed_step
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
 from torchfn.ops import build_ops, ops_status
-from torchfn.optim import stacked_adam
+from torchfn.optim import stacked_adam, stacked_sgd
 
 T0 = time.perf_counter()
 
@@ -111,10 +111,12 @@ def bench_loop(n: int, sizes: list[int], batch: int, device: torch.device, reps:
 class TorchfnStep:
     """The torchfn step for N members, eager or compiled: Adam with a per-member ``(N,)`` lr."""
 
-    def __init__(self, sizes: list[int], device: torch.device, mode: str, n: int) -> None:
+    def __init__(self, sizes: list[int], device: torch.device, mode: str, n: int,
+                 optimizer: str = "adam") -> None:
         # built on the device: a model_fn checks that params sit where its module was
         self.model_fn = Ensemble.from_seeds(on_device(sizes, device), seeds=[0]).model_fn
-        self.opt = stacked_adam(lr=torch.full((n,), 1e-3, device=device))
+        lr = torch.full((n,), 1e-3, device=device)
+        self.opt = stacked_adam(lr=lr) if optimizer == "adam" else stacked_sgd(lr=lr)
         # "graphed-nonorm": no grad_norm metric, i.e. the outputs JAX's step has (new params
         # and optimizer state; the loss is kept)
         # "noguard": the non-finite guard off (it is on by default), to see what it costs
@@ -138,6 +140,19 @@ class TorchfnStep:
 
     def bench(self, n: int, sizes: list[int], batch: int, device: torch.device, reps: int
               ) -> dict[str, Any]:
+        run, holder, build_s = self.prepare(n, sizes, batch, device)
+        out = timeit(run, lambda: sync_device(device), reps)
+        if build_s is not None:
+            out["first_call"] = build_s + out["first_call"]
+        out["loss_finite"] = bool(torch.isfinite(
+            holder[0].params[next(iter(holder[0].params))]).all())
+        return out
+
+    def prepare(self, n: int, sizes: list[int], batch: int, device: torch.device
+                ) -> tuple[Callable[[], None], list[Any], float | None]:
+        """Return ``(run, holder, build_s)``: ``run()`` does one step on ``holder[0]`` (the
+        state, fed back); ``build_s`` is ``make_graphed_step``'s construction time (None for
+        the other modes, whose first ``run()`` compiles)."""
         if self.mode != "eager":
             # a fresh compile: Dynamo would otherwise reuse another variant's cached graph
             torch._dynamo.reset()
@@ -177,12 +192,7 @@ class TorchfnStep:
                 holder[0], _ = self.step(holder[0], *self.step.inputs)
             else:
                 holder[0], _ = self.step(holder[0], (x, y))
-        out = timeit(run, lambda: sync_device(device), reps)
-        if build_s is not None:
-            out["first_call"] = build_s + out["first_call"]
-        out["loss_finite"] = bool(torch.isfinite(
-            holder[0].params[next(iter(holder[0].params))]).all())
-        return out
+        return run, holder, build_s
 
 
 class JaxStep:
@@ -205,6 +215,13 @@ class JaxStep:
                     self.jax.config.jax_default_matmul_precision)}
 
     def bench(self, n: int, sizes: list[int], batch: int, reps: int) -> dict[str, Any]:
+        run, wait = self.prepare(n, sizes, batch)
+        return timeit(run, wait, reps)
+
+    def prepare(self, n: int, sizes: list[int], batch: int, optimizer: str = "adam"
+                ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Return ``(run, wait)``: ``run()`` does one step (state fed back), ``wait()`` blocks
+        until the last one is done. ``optimizer``: ``"adam"`` or ``"sgd"`` (optax, lr 1e-3)."""
         jax, optax = self.jax, self.optax
 
         def init(key: Any) -> list[tuple[Any, Any]]:
@@ -226,7 +243,7 @@ class JaxStep:
                     h = jax.nn.relu(h)
             return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
 
-        tx = optax.adam(1e-3)
+        tx = optax.adam(1e-3) if optimizer == "adam" else optax.sgd(1e-3)
         params = jax.vmap(init)(jax.random.split(jax.random.PRNGKey(0), n))
         opt_state = jax.vmap(tx.init)(params)
 
@@ -242,7 +259,7 @@ class JaxStep:
 
         def run() -> None:
             holder[0] = step(*holder[0], x, y)
-        return timeit(run, lambda: jax.block_until_ready(holder[0]), reps)
+        return run, lambda: jax.block_until_ready(holder[0])
 
 
 def guarded(name: str, budget: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:

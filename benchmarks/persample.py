@@ -203,8 +203,9 @@ def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, mode: str,
     elif mode == "compiled":
         fn = dp.compile()
 
-    def step() -> None:
-        box[0], _ = fn(box[0], (x, y), valid)
+    def step() -> dict[str, Tensor]:
+        box[0], metrics = fn(box[0], (x, y), valid)
+        return metrics
 
     return step
 
@@ -268,18 +269,12 @@ def v_psg_ghost(model: nn.Module, x: Tensor, y: Tensor, compiled: bool) -> Calla
     return lambda: fn(params, buffers, x, y)
 
 
-def jax_cnn(model: CNN, x: Tensor, y: Tensor, tf32: bool) -> tuple[Callable[[], Any], Any]:
-    """``jit(vmap(grad))`` of the CNN in jax.lax with the torch weights; returns (step, psg)."""
+def jax_cnn_loss(prec: Any) -> Callable[[Any, Any, Any], Any]:
+    """The CNN's one-sample loss ``loss(p, xi, yi)`` in jax.lax (``p`` keyed like the torch
+    ``state_dict``; ``xi (1, 28, 28)``, int ``yi``) at matmul/conv precision ``prec``."""
     import jax
     import jax.numpy as jnp
     from jax import lax
-
-    jax.config.update("jax_default_matmul_precision", "tensorfloat32" if tf32 else "highest")
-    # explicit per-op precision too: the config flag alone left cuDNN convs in TF32 on the H100
-    # (per-sample gradients then differed from torch's fp32 ones by 2.5e-2 relative)
-    prec = lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST
-    p = {k: jnp.asarray(v.detach().cpu().numpy()) for k, v in model.state_dict().items()}
-    xs, ys = jnp.asarray(x.cpu().numpy()), jnp.asarray(y.cpu().numpy())
 
     def conv(h: Any, w: Any, b: Any) -> Any:
         out = lax.conv_general_dilated(h, w, (1, 1), ((1, 1), (1, 1)),
@@ -298,6 +293,22 @@ def jax_cnn(model: CNN, x: Tensor, y: Tensor, tf32: bool) -> tuple[Callable[[], 
         logits = (jnp.matmul(h, p["fc2.weight"].T, precision=prec) + p["fc2.bias"])[0]
         return -jax.nn.log_softmax(logits)[yi]
 
+    return loss
+
+
+def jax_cnn(model: CNN, x: Tensor, y: Tensor, tf32: bool) -> tuple[Callable[[], Any], Any]:
+    """``jit(vmap(grad))`` of the CNN in jax.lax with the torch weights; returns (step, psg)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    jax.config.update("jax_default_matmul_precision", "tensorfloat32" if tf32 else "highest")
+    # explicit per-op precision too: the config flag alone left cuDNN convs in TF32 on the H100
+    # (per-sample gradients then differed from torch's fp32 ones by 2.5e-2 relative)
+    prec = lax.Precision.DEFAULT if tf32 else lax.Precision.HIGHEST
+    p = {k: jnp.asarray(v.detach().cpu().numpy()) for k, v in model.state_dict().items()}
+    xs, ys = jnp.asarray(x.cpu().numpy()), jnp.asarray(y.cpu().numpy())
+    loss = jax_cnn_loss(prec)
     fn = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))
     return (lambda: jax.block_until_ready(fn(p, xs, ys))), fn(p, xs, ys)
 
