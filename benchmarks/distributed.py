@@ -64,6 +64,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -326,14 +327,18 @@ def _trace(fn: Callable[[Any], Any], state: Any, device: torch.device, path: str
             torch.cuda.synchronize(device)
     prof.export_chrome_trace(path)
     kinds: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.device_type.name != "CUDA":
+    for e in prof.events():
+        # kernels, memcpy and memset only: GPU-side user annotations (the steps'
+        # record_function parts, NCCL's ranges) span kernels and would count them twice
+        if e.device_type.name != "CUDA" or e.is_user_annotation or e.is_async:
             continue
-        kind = "nccl" if "nccl" in e.key.lower() else "other"
-        kinds[kind] = kinds.get(kind, 0.0) + e.device_time_total / 3e3  # ms per step
+        kind = "nccl" if "nccl" in e.name.lower() else "other"
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 3e3  # ms per step
+    # device syncs as the CUDA runtime sees them (a CUDA ``.item()`` is a copy plus a stream
+    # sync); ``aten::_local_scalar_dense`` would also count reads of CPU scalars, which are free
     syncs = sum(e.count for e in prof.key_averages()
-                if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize",
-                             "cudaDeviceSynchronize")) / 3
+                if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    syncs = max(0, syncs - (device.type == "cuda")) / 3  # less the closing synchronize above
     return state, {"trace": path, "gpu_ms_per_step": kinds, "host_syncs_per_step": syncs}
 
 
@@ -358,7 +363,10 @@ def _bench(rows: list[tuple[str, str]], world: int, rank: int, device: torch.dev
                 torch.cuda.reset_peak_memory_stats(device)
             del fn, state
         except Exception as e:  # recorded; a failure on one rank only would hang the others
-            rec = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            rec = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                   "traceback": traceback.format_exc(limit=-12)}
+            if rank == 0:
+                print(rec["traceback"], file=sys.stderr, flush=True)
         _free(device)
         out[name] = rec
         if rank == 0:
