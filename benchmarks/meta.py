@@ -9,13 +9,20 @@ synchronized calls, and the peak CUDA memory over the timed calls. Every variant
 meta-gradient is checked against torchfn eager (max over params of
 ``max|g - g_eager| / max|g_eager|``).
 
-Variants (``--variants``, comma list; default ``loop,eager,compiled-unfold,jax``,
-the four of the issue, torchfn compiled as the README recommends for conv nets; one compile):
+Variants (``--variants``, comma list; default ``loop,eager,compiled,jax``, the four of the
+issue, torchfn compiled with default options, what a user gets without knobs; one compile):
 
 - ``loop``: the learn2learn/higher pattern, one task at a time with
   ``autograd.grad(create_graph=True)`` on the ordinary module.
 - ``eager``: ``torchfn.meta.maml(...).meta_grad``, tasks vmapped.
-- ``compiled[-TOKEN...]``: the same under ``torch.compile(fullgraph=True)``; tokens:
+- ``compiled[-TOKEN...]``: the same under ``torch.compile(fullgraph=True)``. With no token it
+  is the library's default: ``maml(..., unfold_convs="auto")``, which on CUDA computes the
+  convolutions the inner loop adapts with a patch ``C_in*kh*kw >= 64`` (layers 2-4 here) as
+  unfold + matmul inside the compiled graph. Tokens:
+  ``conv`` (``unfold_convs=False``: every layer an ``nn.Conv2d``/cuDNN convolution in the
+  graph; before the default changed (issue 18) plain ``compiled`` meant ``compiled-conv`` and
+  ``compiled-fix`` meant ``compiled-fix-conv``: the conv-pass tokens below act on the
+  convolutions left, so add ``conv`` to measure them as before),
   ``cg`` (mode ``reduce-overhead``: CUDA graphs), ``at`` (``max-autotune-no-cudagraphs``),
   ``atcg`` (``max-autotune``), ``cl`` (force Inductor's channels-last layout optimization, which
   it skips by itself for grouped convolutions, i.e. vmapped per-task conv weights),
@@ -26,14 +33,15 @@ the four of the issue, torchfn compiled as the README recommends for conv nets; 
   grouped convolutions with >= 16 channels per group in channels-last; the library default
   ``"auto"`` does this only with cuDNN TF32 on, where it pays), ``unfold`` (the model through
   ``torchfn.compile.unfold_convs``: layers 2-4 as unfold + matmul, batched GEMMs over the tasks
-  instead of grouped cuDNN convolutions), ``unfoldall`` (all four layers, the 1-channel first
-  one too: no convolution left), ``chunkN`` (tasks in chunks of N). E.g.
+  instead of grouped cuDNN convolutions; now the same graph as the default), ``unfoldall``
+  (all four layers, the 1-channel first one too: no convolution left), ``chunkN`` (tasks in
+  chunks of N). E.g.
   ``compiled-cg-fix-bench``, ``compiled-fix-unfold``. ``eager-chunkN``/``eager-bench``/
   ``eager-unfold`` work too.
 - ``inner[-TOKEN...]``: ``make_meta_train_step(learner, sgd, compile="inner").meta_grad``:
   the inner step and the query loss each ``torch.compile``d once (compile time flat in the
-  inner steps), the outer gradient an eager ``autograd.grad`` through them. Tokens: ``fix``,
-  ``gcl``, ``unfold``, ``unfoldall``, ``bench``, ``cl``, ``at`` (``max-autotune-no-cudagraphs``;
+  inner steps), the outer gradient an eager ``autograd.grad`` through them (default
+  ``unfold_convs="auto"`` as for ``compiled``). Tokens: ``conv``, ``fix``, ``gcl``, ``unfold``, ``unfoldall``, ``bench``, ``cl``, ``at`` (``max-autotune-no-cudagraphs``;
   no ``cg``: there is no one graph to capture) and ``chunkN``, as for ``compiled``, and
   ``eagerquery`` (only the inner step compiled, the query loss eager: is compiling it worth
   its compile time?).
@@ -56,8 +64,9 @@ end of its first synchronized meta-gradient: interpreter, imports, model, Dynamo
 compiles), its ``first_call_s`` and its ``peak_bytes`` (CUDA peak of the first call).
 
     python benchmarks/meta.py --out benchmarks/results/meta-h100.json
-    python benchmarks/meta.py --variants compiled-cg,compiled-cg-fix-cl,compiled-cg-fix-bench,jax
-    python benchmarks/meta.py --variants compiled,compiled-fix --repeats 3 --profile
+    python benchmarks/meta.py --variants compiled,compiled-conv,compiled-unfoldall,jax
+    python benchmarks/meta.py --variants compiled-cg-conv,compiled-cg-fix-cl-conv,jax
+    python benchmarks/meta.py --variants compiled-conv,compiled-fix-conv --repeats 3 --profile
     python benchmarks/meta.py --variants compiled-fix-unfoldall,inner-fix-unfoldall,jax --warm-start
 """
 
@@ -218,9 +227,9 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
             or (kind in ("loop", "jax") and rest)):
         raise SystemExit(f"meta.py --variants: unknown variant {name!r} (see --help)")
     tokens, chunk = set(), None
-    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "unfold", "unfoldall"}
+    known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "conv", "unfold", "unfoldall"}
              if kind == "compiled" else
-             {"at", "cl", "bench", "fix", "gcl", "unfold", "unfoldall", "eagerquery"}
+             {"at", "cl", "bench", "fix", "gcl", "conv", "unfold", "unfoldall", "eagerquery"}
              if kind == "inner"
              else {"bench", "unfold", "unfoldall"})
     for tok in rest:
@@ -236,8 +245,9 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     modes = [mode[t] for t in ("cg", "at", "atcg") if t in tokens]
     if len(modes) > 1:
         raise SystemExit(f"meta.py --variants: {name!r} names more than one compile mode")
-    if {"unfold", "unfoldall"} <= tokens:
-        raise SystemExit(f"meta.py --variants: {name!r} names unfold and unfoldall")
+    if len(tokens & {"conv", "unfold", "unfoldall"}) > 1:
+        raise SystemExit(f"meta.py --variants: {name!r} names more than one of conv, unfold "
+                         "and unfoldall")
     return kind, tokens, chunk, (modes[0] if modes else None)
 
 
@@ -277,8 +287,10 @@ def build_call(kind: str, tokens: set[str], chunk: int | None, mode: str | None,
     tok = next(iter(tokens & UNFOLD_MIN_PATCH.keys()), None)  # one at most
     net_fn = model_fn if tok is None else make_functional(
         unfold_convs(module, min_patch=UNFOLD_MIN_PATCH[tok]))[0]
+    # the library default ("auto": compiled on CUDA, adapted convs with a patch >= 64 as
+    # unfold + matmul; eager calls nn.Conv2d), or the opt-out with the conv token
     learner = maml(net_fn, F.cross_entropy, inner_lr=inner_lr, inner_steps=cfg["steps"],
-                   chunk_size=chunk)
+                   chunk_size=chunk, unfold_convs=False if "conv" in tokens else "auto")
     if kind == "eager":
         return learner.meta_grad
     if "fix" in tokens or "gcl" in tokens:  # compile takes a mode or options, not both
@@ -373,7 +385,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="calls before timing (>= 1)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--precision", default="highest", choices=["highest", "tf32"])
-    ap.add_argument("--variants", default="loop,eager,compiled-unfold,jax")
+    ap.add_argument("--variants", default="loop,eager,compiled,jax")
     ap.add_argument("--inner-steps", type=int, default=None, help="inner steps (default 5)")
     ap.add_argument("--warm-start", action="store_true",
                     help="also time process start to first step, cold and warm compile cache, "

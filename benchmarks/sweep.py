@@ -14,8 +14,9 @@ Families (``--families``, default all three) and their configs (``--configs``: n
 Each side is what a user gets with DEFAULT options (the recipe is recorded per row):
 
 - torchfn MAML: ``torch.compile(make_meta_train_step(maml(model_fn, F.cross_entropy,
-  inner_lr, inner_steps), adam(1e-3)), fullgraph=True)`` as the docs' first example, the model
-  through ``unfold_convs(net)`` (default ``min_patch``) as the docs say for conv nets on CUDA;
+  inner_lr, inner_steps), adam(1e-3)), fullgraph=True)`` as the docs' first example, on the
+  plain ``nn.Conv2d`` model (the learner's default ``unfold_convs="auto"`` computes the adapted
+  convs with a patch >= 64 as unfold + matmul inside the compiled graph on CUDA by itself);
 - torchfn ensembles: ``make_graphed_step(make_ensemble_train_step(model_fn, cross_entropy,
   stacked_adam / stacked_sgd), state, (x, y))``, every option at its default;
 - torchfn DP-SGD: ``make_graphed_step(make_dp_train_step(make_ghost_model(net)...), ...)``,
@@ -195,21 +196,18 @@ def torch_maml(cfg: dict[str, Any], compile_on: bool) -> Prepared:
     import torch
     import torch.nn.functional as F
 
-    from torchfn.compile import unfold_convs
     from torchfn.functional import make_functional
     from torchfn.meta import init_meta_state, make_meta_train_step, maml
     from torchfn.optim import adam
 
     device = torch_device()
     module, tasks = maml_data(cfg, device)
-    net = unfold_convs(module) if device.type == "cuda" else module  # the docs: conv nets on CUDA
-    model_fn, params, buffers = make_functional(net)
+    model_fn, params, buffers = make_functional(module)  # no knobs: unfold_convs="auto"
     learner = maml(model_fn, F.cross_entropy, inner_lr=INNER_LR, inner_steps=cfg["steps"])
     opt = adam(OUTER_LR)
     state = init_meta_state(learner, params, buffers, opt)
     step = make_meta_train_step(learner, opt)
-    recipe = ("make_meta_train_step(maml(...), adam)"
-              + (", unfold_convs(net)" if device.type == "cuda" else ""))
+    recipe = "make_meta_train_step(maml(...), adam)"
     if compile_on:
         step = torch.compile(step, fullgraph=True)
         recipe = f"torch.compile({recipe}, fullgraph=True)"

@@ -79,8 +79,8 @@ class UnfoldConv2d(nn.Module):
         cols = F.unfold(x, self.kernel_size, dilation=self.dilation, padding=self.padding,
                         stride=self.stride)                     # (B, C_in kh kw, L)
         out = self.weight.flatten(1) @ cols                     # (B, C_out, L)
-        if self.bias is not None:
-            out = out + self.bias[:, None]
+        if self.bias is not None:  # in out's dtype, as a conv under autocast adds it
+            out = out + self.bias[:, None].to(out.dtype)
         return out.unflatten(-1, (h_out, w_out))
 
 
@@ -95,6 +95,11 @@ def unfold_convs(module: nn.Module, *, min_patch: int = 64) -> nn.Module:
     MAML-style steps compiled with ``torch.compile``, where vmapped per-task convolutions
     become batched GEMMs (see the module docstring: much faster than ``F.conv2d`` on CUDA for
     the standard 4-block few-shot conv net).
+
+    The meta learners (:func:`torchfn.meta.maml` and the rest) do this by themselves under
+    ``torch.compile`` on CUDA for the convolutions the inner loop adapts (their
+    ``unfold_convs="auto"``, with this default ``min_patch``), eager calls keeping
+    ``nn.Conv2d``; call this for every layer (``min_patch=1``) or for eager calls too.
 
     Known PyTorch issue: with ``min_patch`` low enough to unfold a 1-channel first layer,
     Inductor on CUDA (torch 2.11) failed to compile a small test net (``AssertionError: 9 v.s.

@@ -93,10 +93,12 @@ class ImplicitMetaLearner(MetaLearner):
         inner_opt: GradientTransformation | None = None,
         chunk_size: int | None = None,
         randomness: str = "error",
+        unfold_convs: str | bool = "auto",
     ) -> None:
         _check_imaml_args(lam=lam, cg_steps=cg_steps, cg_damping=cg_damping)
         super().__init__(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
-                         inner_opt=inner_opt, chunk_size=chunk_size, randomness=randomness)
+                         inner_opt=inner_opt, chunk_size=chunk_size, randomness=randomness,
+                         unfold_convs=unfold_convs)
         self.lam = float(lam)
         self.cg_steps = cg_steps
         self.cg_damping = float(cg_damping)
@@ -111,7 +113,7 @@ class ImplicitMetaLearner(MetaLearner):
 
     def _support_loss(self, support_x: Any, support_y: Any) -> Callable[..., Any]:
         def support_loss(p: TensorDict, bufs: TensorDict) -> tuple[Tensor, TensorDict]:
-            out, new_bufs = _call_model(self.model_fn, p, bufs, support_x,
+            out, new_bufs = _call_model(self._model_call, p, bufs, support_x,
                                         "meta-learner (support_x)")
             return self.loss_fn(out, support_y), new_bufs
 
@@ -162,7 +164,7 @@ class ImplicitMetaLearner(MetaLearner):
     ) -> tuple[Tensor, TensorDict]:
         """Return ``(query loss at phi*, new_buffers)`` for one task (no task dim), detached."""
         phi, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
-        out, bufs = _call_model(self.model_fn, phi, bufs, task.query_x,
+        out, bufs = _call_model(self._model_call, phi, bufs, task.query_x,
                                 "meta-learner (query_x)")
         return self.loss_fn(out, task.query_y).detach(), bufs
 
@@ -181,7 +183,7 @@ class ImplicitMetaLearner(MetaLearner):
         in_bufs = {k: v.detach() for k, v in buffers.items()}
 
         def query_loss(p: TensorDict) -> tuple[Tensor, tuple[Tensor, TensorDict]]:
-            out, new_bufs = _call_model(self.model_fn, p, bufs, task.query_x,
+            out, new_bufs = _call_model(self._model_call, p, bufs, task.query_x,
                                         "meta-learner (query_x)")
             loss = self.loss_fn(out, task.query_y)
             if loss_scale is None:
@@ -300,6 +302,7 @@ def imaml(
     inner_opt: GradientTransformation | None = None,
     chunk_size: int | None = None,
     randomness: str = "error",
+    unfold_convs: str | bool = "auto",
 ) -> ImplicitMetaLearner:
     """Return an implicit-MAML :class:`ImplicitMetaLearner` (a :class:`MetaLearner`).
 
@@ -334,6 +337,9 @@ def imaml(
         chunk_size: vmap at most this many tasks at once; ``None`` vmaps the whole batch.
         randomness: the task ``vmap``'s: ``"error"`` (default), ``"different"`` or ``"same"``
             (dropout); each task's Hessian-vector products share one set of masks.
+        unfold_convs: as in :func:`torchfn.meta.maml`: ``"auto"`` (default) computes the
+            adapted convolutions as unfold + matmul under ``torch.compile`` on CUDA
+            (``nn.Conv2d`` eagerly); ``True`` on any device when compiled; ``False`` never.
 
     Example:
         >>> import torch.nn.functional as F
@@ -350,4 +356,4 @@ def imaml(
     return ImplicitMetaLearner(model_fn, loss_fn, lam=lam, cg_steps=cg_steps,
                                cg_damping=cg_damping, inner_steps=inner_steps,
                                inner_lr=inner_lr, inner_opt=inner_opt, chunk_size=chunk_size,
-                               randomness=randomness)
+                               randomness=randomness, unfold_convs=unfold_convs)

@@ -84,7 +84,7 @@ class InnerCompiledMetaGrad:
         self.learner = learner
         kwargs = _compile_kwargs(dict(compile_kwargs or {}), None)
         step = make_region_step(
-            learner.model_fn, learner.loss_fn, learner.inner_opt,
+            learner._model_call, learner.loss_fn, learner.inner_opt,
             model_names=learner._model_names, first_order=learner.first_order,
             lr_prefix=LR_PREFIX if learner.learn_inner_lr else None,
             randomness=learner.randomness)

@@ -39,6 +39,7 @@ from torchopt.base import GradientTransformation
 from torchfn._checks import _call_model, _call_translated, _check_randomness, _part
 from torchfn.functional import FunctionalModel
 from torchfn.meta import _regions
+from torchfn.meta._auto_unfold import check_unfold_convs, compiled_model_fn
 from torchfn.meta._regions import make_region_step, region_chunk_grad, regions_available
 from torchfn.meta._remat import remat_task_grad
 from torchfn.meta._second_order import may_use_layer_norm, second_order_context
@@ -109,12 +110,20 @@ class MetaLearner:
     included), build the train step with
     ``make_meta_train_step(learner, optimizer, compile="inner")``.
 
-    Speed, for conv nets compiled on CUDA: build ``model_fn`` from
-    :func:`torchfn.meta.unfold_convs` of the model (per-task convolutions as batched GEMMs
-    instead of grouped cuDNN convolutions), which makes the 4-block few-shot conv net's
-    second-order step several times faster in fp32 (see ``benchmarks/README.md``). For
+    Speed, for conv nets compiled on CUDA (``unfold_convs="auto"``, the default): when
+    ``torch.compile`` traces the learner (your ``torch.compile`` of a meta train step,
+    ``make_meta_train_step(compile="inner")``), the convolutions whose weights the inner loop
+    adapts run as unfold + matmul -- per-task convolutions as batched GEMMs over the tasks
+    instead of grouped cuDNN convolutions, several times faster for the 4-block few-shot conv
+    net's step in fp32 (see ``benchmarks/README.md``), at some more peak memory (the unfolded
+    inputs, ``kh * kw`` times each conv's input, are kept for the backward). Eager calls keep
+    ``nn.Conv2d`` (there the unfolded path is slower). It needs a
+    :func:`torchfn.functional.make_functional` ``model_fn`` (it swaps layers of the private
+    module copy; ``learner.model_fn``, the param names and checkpoints are unchanged);
+    ``unfold_convs=False`` opts out. For every layer unfolded (the 1-channel first one too),
+    build the model from :func:`torchfn.compile.unfold_convs` ``(net, min_patch=1)``; for
     convolutions left as they are, pass ``torch.compile`` the options of
-    :func:`torchfn.meta.inductor_options`.
+    :func:`torchfn.compile.inductor_options`.
     """
 
     def __init__(
@@ -133,8 +142,10 @@ class MetaLearner:
         randomness: str = "error",
         remat: bool = False,
         compile_regions: bool = False,
+        unfold_convs: str | bool = "auto",
     ) -> None:
         _check_randomness(randomness, "MetaLearner(randomness=...)")
+        check_unfold_convs(unfold_convs, "MetaLearner")
         _check_compile_regions(compile_regions, model_fn, reptile=reptile, remat=remat,
                                randomness=randomness, first_order=first_order)
         _check_remat(remat, inner_opt=inner_opt, first_order=first_order, reptile=reptile,
@@ -172,8 +183,13 @@ class MetaLearner:
         self.randomness = randomness
         self.remat = remat
         self.compile_regions = compile_regions
+        self.unfold_convs = unfold_convs
+        # what the inner and outer loops call: model_fn, or under torch.compile its twin with
+        # unfolded convolutions (_auto_unfold.py)
+        self._model_call = compiled_model_fn(model_fn, unfold_convs,
+                                             adapt_filter or (lambda _: True))
         self._region_step = torch.compiler.nested_compile_region(make_region_step(
-            model_fn, loss_fn, inner_opt, model_names=self._model_names,
+            self._model_call, loss_fn, inner_opt, model_names=self._model_names,
             first_order=self.first_order, lr_prefix=LR_PREFIX if learn_inner_lr else None,
             randomness=randomness))
 
@@ -183,6 +199,7 @@ class MetaLearner:
         extra = "" if self.randomness == "error" else f", randomness={self.randomness!r}"
         extra += ", remat=True" if self.remat else ""
         extra += ", compile_regions=True" if self.compile_regions else ""
+        extra += "" if self.unfold_convs == "auto" else f", unfold_convs={self.unfold_convs}"
         return (f"MetaLearner({kind}, inner_steps={self.inner_steps}, "
                 f"chunk_size={self.chunk_size}, adapt_filter={self.adapt_filter is not None}"
                 f"{extra})")
@@ -267,7 +284,7 @@ class MetaLearner:
         fast = {k: meta_params[k] for k in names}
 
         def support_loss(f: TensorDict, bufs: TensorDict) -> tuple[Tensor, TensorDict]:
-            out, new_bufs = _call_model(self.model_fn, self._merge(meta_params, f), bufs,
+            out, new_bufs = _call_model(self._model_call, self._merge(meta_params, f), bufs,
                                         support_x, "meta-learner (support_x)")
             return self.loss_fn(out, support_y), new_bufs
 
@@ -290,7 +307,7 @@ class MetaLearner:
     ) -> tuple[Tensor, TensorDict]:
         """Return ``(query loss after adaptation, new_buffers)`` for one task (no task dim)."""
         fast, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
-        out, bufs = _call_model(self.model_fn, fast, bufs, task.query_x,
+        out, bufs = _call_model(self._model_call, fast, bufs, task.query_x,
                                 "meta-learner (query_x)")
         return self.loss_fn(out, task.query_y), bufs
 
@@ -298,7 +315,7 @@ class MetaLearner:
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], task: Task
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         fast, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
-        out, _ = _call_model(self.model_fn, fast, bufs, task.query_x,
+        out, _ = _call_model(self._model_call, fast, bufs, task.query_x,
                              "meta-learner (query_x)")
         delta = {k: (meta_params[k] - fast[k]).detach() for k in self._model_names(meta_params)}
         return delta, self.loss_fn(out, task.query_y).detach(), bufs
@@ -460,7 +477,7 @@ class MetaLearner:
             rates: dict[str, Tensor | float] = (
                 {k: p[LR_PREFIX + k] for k in adapted} if self.learn_inner_lr
                 else dict.fromkeys(adapted, self.inner_lr))
-            return remat_task_grad(self.model_fn, self.loss_fn, self._model_names(p), adapted,
+            return remat_task_grad(self._model_call, self.loss_fn, self._model_names(p), adapted,
                                    rates, self.inner_steps, p, b, task, loss_scale)
 
         g_model, g_rate, loss_t, buf_t = self._task_vmap(one_task)(meta_params, buffers, chunk)
@@ -581,6 +598,7 @@ def maml(
     randomness: str = "error",
     remat: bool = False,
     compile_regions: bool = False,
+    unfold_convs: str | bool = "auto",
 ) -> MetaLearner:
     """Return a second-order MAML :class:`MetaLearner` (differentiates through the inner loop).
 
@@ -600,6 +618,14 @@ def maml(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        unfold_convs: how a compiled step computes the convolutions whose weights the inner
+            loop adapts (``nn.Conv2d`` layers of a :func:`torchfn.functional.make_functional`
+            model with ``groups=1``, zero padding and ``C_in * kh * kw >= 64``). ``"auto"``
+            (default): under ``torch.compile`` with the model on CUDA, as unfold + matmul
+            (batched GEMMs over the tasks instead of grouped cuDNN convolutions: the fast
+            compiled path); eager calls, and other devices, as ``nn.Conv2d``. ``True``: unfold
+            under ``torch.compile`` on any device; ``False``: never (opt-out). Parameter names,
+            shapes and checkpoints are the same either way; numbers agree up to float rounding.
         remat: checkpoint the inner steps in :meth:`MetaLearner.meta_grad`: keep only the
             inner iterates, not the activations of the unrolled loop, and recompute each
             inner step's forward and backward once more in a hand-written reverse pass
@@ -627,7 +653,7 @@ def maml(
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
                        randomness=randomness, remat=remat,
-                       compile_regions=compile_regions)
+                       compile_regions=compile_regions, unfold_convs=unfold_convs)
 
 
 def fomaml(
@@ -641,6 +667,7 @@ def fomaml(
     chunk_size: int | None = None,
     randomness: str = "error",
     compile_regions: bool = False,
+    unfold_convs: str | bool = "auto",
 ) -> MetaLearner:
     """Return a first-order MAML :class:`MetaLearner` (inner gradients detached).
 
@@ -660,6 +687,14 @@ def fomaml(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        unfold_convs: how a compiled step computes the convolutions whose weights the inner
+            loop adapts (``nn.Conv2d`` layers of a :func:`torchfn.functional.make_functional`
+            model with ``groups=1``, zero padding and ``C_in * kh * kw >= 64``). ``"auto"``
+            (default): under ``torch.compile`` with the model on CUDA, as unfold + matmul
+            (batched GEMMs over the tasks instead of grouped cuDNN convolutions: the fast
+            compiled path); eager calls, and other devices, as ``nn.Conv2d``. ``True``: unfold
+            under ``torch.compile`` on any device; ``False``: never (opt-out). Parameter names,
+            shapes and checkpoints are the same either way; numbers agree up to float rounding.
 
         compile_regions: under ``torch.compile``, trace and compile one inner step once and
             call it ``inner_steps`` times (a :func:`torch.compiler.nested_compile_region`),
@@ -679,7 +714,7 @@ def fomaml(
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
                        first_order=True, randomness=randomness,
-                       compile_regions=compile_regions)
+                       compile_regions=compile_regions, unfold_convs=unfold_convs)
 
 
 def anil(
@@ -694,6 +729,7 @@ def anil(
     randomness: str = "error",
     remat: bool = False,
     compile_regions: bool = False,
+    unfold_convs: str | bool = "auto",
 ) -> MetaLearner:
     """Return an ANIL :class:`MetaLearner`: MAML adapting only the params ``head(name)`` keeps.
 
@@ -712,6 +748,14 @@ def anil(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        unfold_convs: how a compiled step computes the convolutions whose weights the inner
+            loop adapts (``nn.Conv2d`` layers of a :func:`torchfn.functional.make_functional`
+            model with ``groups=1``, zero padding and ``C_in * kh * kw >= 64``). ``"auto"``
+            (default): under ``torch.compile`` with the model on CUDA, as unfold + matmul
+            (batched GEMMs over the tasks instead of grouped cuDNN convolutions: the fast
+            compiled path); eager calls, and other devices, as ``nn.Conv2d``. ``True``: unfold
+            under ``torch.compile`` on any device; ``False``: never (opt-out). Parameter names,
+            shapes and checkpoints are the same either way; numbers agree up to float rounding.
         remat: checkpoint the inner steps in :meth:`MetaLearner.meta_grad`: keep only the
             inner iterates, not the activations of the unrolled loop, and recompute each
             inner step's forward and backward once more in a hand-written reverse pass
@@ -739,7 +783,7 @@ def anil(
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=head, chunk_size=chunk_size,
                        randomness=randomness, remat=remat,
-                       compile_regions=compile_regions)
+                       compile_regions=compile_regions, unfold_convs=unfold_convs)
 
 
 def meta_sgd(
@@ -754,6 +798,7 @@ def meta_sgd(
     randomness: str = "error",
     remat: bool = False,
     compile_regions: bool = False,
+    unfold_convs: str | bool = "auto",
 ) -> MetaLearner:
     """Return a Meta-SGD :class:`MetaLearner`: per-parameter inner rates are meta-params.
 
@@ -776,6 +821,14 @@ def meta_sgd(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        unfold_convs: how a compiled step computes the convolutions whose weights the inner
+            loop adapts (``nn.Conv2d`` layers of a :func:`torchfn.functional.make_functional`
+            model with ``groups=1``, zero padding and ``C_in * kh * kw >= 64``). ``"auto"``
+            (default): under ``torch.compile`` with the model on CUDA, as unfold + matmul
+            (batched GEMMs over the tasks instead of grouped cuDNN convolutions: the fast
+            compiled path); eager calls, and other devices, as ``nn.Conv2d``. ``True``: unfold
+            under ``torch.compile`` on any device; ``False``: never (opt-out). Parameter names,
+            shapes and checkpoints are the same either way; numbers agree up to float rounding.
         remat: checkpoint the inner steps in :meth:`MetaLearner.meta_grad`: keep only the
             inner iterates, not the activations of the unrolled loop, and recompute each
             inner step's forward and backward once more in a hand-written reverse pass
@@ -803,7 +856,7 @@ def meta_sgd(
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
                        learn_inner_lr=True, randomness=randomness, remat=remat,
-                       compile_regions=compile_regions)
+                       compile_regions=compile_regions, unfold_convs=unfold_convs)
 
 
 def reptile(
@@ -816,6 +869,7 @@ def reptile(
     adapt_filter: Callable[[str], bool] | None = None,
     chunk_size: int | None = None,
     randomness: str = "error",
+    unfold_convs: str | bool = "auto",
 ) -> MetaLearner:
     """Return a Reptile :class:`MetaLearner`; its ``meta_grad`` is ``params - mean(adapted)``.
 
@@ -838,6 +892,14 @@ def reptile(
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
             mode), ``"different"`` (each task its own masks) or ``"same"`` (shared masks).
+        unfold_convs: how a compiled step computes the convolutions whose weights the inner
+            loop adapts (``nn.Conv2d`` layers of a :func:`torchfn.functional.make_functional`
+            model with ``groups=1``, zero padding and ``C_in * kh * kw >= 64``). ``"auto"``
+            (default): under ``torch.compile`` with the model on CUDA, as unfold + matmul
+            (batched GEMMs over the tasks instead of grouped cuDNN convolutions: the fast
+            compiled path); eager calls, and other devices, as ``nn.Conv2d``. ``True``: unfold
+            under ``torch.compile`` on any device; ``False``: never (opt-out). Parameter names,
+            shapes and checkpoints are the same either way; numbers agree up to float rounding.
 
     Example:
         >>> import torch.nn.functional as F
@@ -846,4 +908,4 @@ def reptile(
     """
     return MetaLearner(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                        inner_opt=inner_opt, adapt_filter=adapt_filter, chunk_size=chunk_size,
-                       reptile=True, randomness=randomness)
+                       reptile=True, randomness=randomness, unfold_convs=unfold_convs)

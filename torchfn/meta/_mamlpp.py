@@ -134,6 +134,7 @@ class MamlPlusPlus(MetaLearner):
         per_step_bn: Collection[str] | None,
         adapt_filter: Callable[[str], bool] | None,
         randomness: str,
+        unfold_convs: str | bool = "auto",
     ) -> None:
         where = "maml_plus_plus"
         for name, value in (("lslr", lslr), ("multi_step_loss", multi_step_loss),
@@ -142,7 +143,7 @@ class MamlPlusPlus(MetaLearner):
                 raise ValueError(f"{where}({name}=...): expected a bool, got {value!r}")
         super().__init__(model_fn, loss_fn, inner_steps=inner_steps, inner_lr=inner_lr,
                          first_order=first_order, adapt_filter=adapt_filter,
-                         randomness=randomness)
+                         randomness=randomness, unfold_convs=unfold_convs)
         if multi_step_loss:
             if msl_anneal_steps is None:
                 raise ValueError(
@@ -311,7 +312,7 @@ class MamlPlusPlus(MetaLearner):
         with _part("torchfn.inner_loop"):
             for i in range(self.inner_steps):
                 def support_loss(f: TensorDict, b: TensorDict, i: int = i) -> Any:
-                    out, nb = _call_model(self.model_fn, self._view(merged(f), i),
+                    out, nb = _call_model(self._model_call, self._view(merged(f), i),
                                           self._view(b, i), support_x,
                                           "maml_plus_plus (support_x)")
                     return self.loss_fn(out, support_y), self._put(b, nb, i)
@@ -380,7 +381,7 @@ class MamlPlusPlus(MetaLearner):
         steps = range(self.inner_steps) if weights is not None else [last]
         losses = []
         for i in steps:  # the query after inner step i (row i of per-step stacks)
-            out, nb = _call_model(self.model_fn, self._view(params_after[i], i),
+            out, nb = _call_model(self._model_call, self._view(params_after[i], i),
                                   self._view(bufs_after[i], i), task.query_x,
                                   "maml_plus_plus (query_x)")
             losses.append(self.loss_fn(out, task.query_y))
@@ -499,6 +500,7 @@ def maml_plus_plus(
     per_step_bn: Collection[str] | None = None,
     adapt_filter: Callable[[str], bool] | None = None,
     randomness: str = "error",
+    unfold_convs: str | bool = "auto",
 ) -> MamlPlusPlus:
     """Return a MAML++ :class:`MamlPlusPlus` learner; every piece is an option (module docstring).
 
@@ -542,6 +544,9 @@ def maml_plus_plus(
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
             (default all; MAML++ leaves BatchNorm params out: ``lambda n: n not in bn``).
         randomness: the task ``vmap``'s (``"error"``, ``"different"``, ``"same"``).
+        unfold_convs: as in :func:`torchfn.meta.maml`: ``"auto"`` (default) computes the
+            adapted convolutions as unfold + matmul under ``torch.compile`` on CUDA
+            (``nn.Conv2d`` eagerly); ``True`` on any device when compiled; ``False`` never.
 
     Example:
         >>> import torch.nn.functional as F
@@ -554,4 +559,4 @@ def maml_plus_plus(
                         msl_anneal_steps=msl_anneal_steps, msl_floor=msl_floor,
                         first_order=first_order, first_order_until=first_order_until,
                         per_step_bn=per_step_bn, adapt_filter=adapt_filter,
-                        randomness=randomness)
+                        randomness=randomness, unfold_convs=unfold_convs)

@@ -125,7 +125,7 @@ def make_region_query(learner: Any) -> Callable[..., Any]:
     def one_task(f: TensorDict, fx: TensorDict, b: TensorDict, x: Any, y: Any) -> tuple[
             Tensor, TensorDict]:
         params = {k: f[k] if k in f else fx[k] for k in learner._model_names(fx)}
-        out, new_b = _call_model(learner.model_fn, params, b, x, "meta-learner (query_x)")
+        out, new_b = _call_model(learner._model_call, params, b, x, "meta-learner (query_x)")
         return learner.loss_fn(out, y), new_b
 
     return vmap(one_task, in_dims=(0, None, 0, 0, 0), randomness=learner.randomness)
