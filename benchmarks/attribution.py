@@ -24,6 +24,19 @@ Rows, each computing the whole ``(n_train, n_query)`` matrix once per timed call
 - ``materialized``: the textbook route: ``torch.func.vmap(torch.func.grad(loss))`` per-sample
   gradients of the query set flattened to ``(n_query, P)`` (in chunks), then per train chunk
   its ``(chunk, P)`` gradients and one ``(chunk, P) @ (P, n_query)`` matmul;
+- ``torchfn-projected``: ``grad_inner_products(..., projection=Projection(k=--proj-k,
+  seed=0), chunk_size=--chunk)``: an *approximation* (TRAK / LoGra random projections): per
+  linear map the Kronecker-structured projection ``sum_t (g_it P_out)^T (a_it P_in)``
+  (``(k, k)``, from the ghost pass's recorded inputs and output gradients, no per-sample
+  gradient formed), embeddings by gathered rows of ``P_V``, other layers materialised and
+  projected densely (or exact when they have at most ``k^2`` parameters); scores =
+  ``train_feats @ query_feats.T``. Its accuracy is measured against the exact matrix (the
+  ``torchfn-ghost`` row's, else the ``materialized`` one's): max |diff| / max |S|, relative
+  Frobenius error, Spearman rank correlation of the train samples per query column (mean
+  and min over queries) and top-m overlap per query column (m = min(100, n_train / 10)).
+  Besides the whole-matrix time it times the stored-features use: the train features
+  computed once (reported, with their size), then per call only the query features and one
+  matmul;
 - ``kronfluence`` (EK-FAC, its default) and ``kronfluence-identity`` (factor strategy
   ``identity``): kronfluence's own pipeline on the same model and data: a ``Task`` (train loss
   the summed cross-entropy, labels sampled from the model's softmax when kronfluence fits its
@@ -48,12 +61,14 @@ Correctness first: every row's matrix is compared with the materialised one (max
 the model). Timing: ``_bench.time_calls`` (``--warmup`` calls, the first timed alone as
 "first call", then the median of ``--repeats`` synchronized repeats); peak CUDA memory
 (``max_memory_allocated``) over all calls of the row, reset per row. Speed-up: materialised
-median / torchfn median (goal >= 5x). JSON (``--json``) and markdown (``--md``) are rewritten
+median / torchfn median (goal >= 5x; for ``torchfn-projected`` too, with its accuracy beside it). JSON (``--json``) and markdown (``--md``) are rewritten
 after every row, so a run cut short keeps what it measured.
 
     python benchmarks/attribution.py --train 10000 --query 1000 --json attribution.json \\
         --md benchmarks/results/attribution-h100.md
     python benchmarks/attribution.py --tiny --device cpu          # CPU smoke test
+    python benchmarks/attribution.py --methods torchfn-ghost,materialized,torchfn-projected \
+        --proj-k 32                                               # the projected row alone
 
 kronfluence 1.0.1 (not a torchfn dependency) with everything it imports beyond torch, einops
 and numpy (torchfn's own), tested on torch 2.13 CPU with all other packages blocked
@@ -103,11 +118,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import Timing, device_name, set_tf32_off, sync, time_calls
 from persample import CNN
 
-from torchfn.persample import _ghost_grads, grad_inner_products, make_ghost_model
+from torchfn.persample import (
+    Projection,
+    _ghost_grads,
+    grad_inner_products,
+    make_ghost_model,
+    project_grads,
+)
 
 WORKLOADS = ("cnn", "transformer")
-METHODS = ("torchfn-ghost", "materialized", "kronfluence", "kronfluence-identity", "trak")
+METHODS = ("torchfn-ghost", "materialized", "torchfn-projected", "kronfluence",
+           "kronfluence-identity", "trak")
+EXACT = ("torchfn-ghost", "materialized")  # the rows whose matrix is exact (fp32 rounding)
 GOAL_SPEEDUP = 5.0
+DEFAULT_PROJ_K = 64
+TOP_M = 100  # the projected row's top-m overlap: m = min(TOP_M, n_train // 10)
 CHECK_TRAIN, CHECK_QUERY = 8, 4  # the float64 check's sizes
 
 
@@ -216,6 +241,68 @@ def v_materialized(model: nn.Module, data: tuple[Tensor, ...], chunk: int
         return out
 
     return run, {}
+
+
+def v_projected(model: nn.Module, data: tuple[Tensor, ...], chunk: int, k: int
+                ) -> tuple[Callable[[], Tensor], dict[str, Any]]:
+    """``grad_inner_products(..., projection=Projection(k, seed=0))``: train and query
+    features from one ghost pass each (per chunk), then one matmul per chunk."""
+    ghost, params, buffers = make_ghost_model(model)
+    xs, ys, xq, yq = data
+    proj = Projection(k=k, seed=0)
+
+    def run() -> Tensor:
+        return grad_inner_products(ghost, xent_none, params, buffers, xs, ys, xq, yq,
+                                   chunk_size=chunk, projection=proj)  # type: ignore[return-value]
+
+    n = min(2, len(ys))
+    features = project_grads(ghost, xent_none, params, buffers, xs[:n], ys[:n], projection=proj)
+    return run, {"proj_k": k, "features": int(features.shape[1])}
+
+
+def stored_train(model: nn.Module, data: tuple[Tensor, ...], chunk: int, k: int,
+                 device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+    """The stored-features use: train features computed once (timed alone), then per timed call
+    only the query's features and ``train_feats @ query_feats.T``."""
+    ghost, params, buffers = make_ghost_model(model)
+    xs, ys, xq, yq = data
+    proj = Projection(k=k, seed=0)
+
+    def train() -> Tensor:
+        return project_grads(ghost, xent_none, params, buffers, xs, ys, projection=proj,
+                             chunk_size=chunk)  # type: ignore[return-value]
+
+    t = time_calls(train, device, warmup=1, repeats=1)  # warm: the time of a second pass
+    feats = t.first_output
+
+    def score() -> Tensor:
+        q = project_grads(ghost, xent_none, params, buffers, xq, yq, projection=proj,
+                          chunk_size=chunk)
+        return feats @ q.T  # type: ignore[operator]
+
+    s = time_calls(score, device, warmup=warmup, repeats=repeats)
+    return {"train_features_s": t.median_s, "stored_train_median_s": s.median_s,
+            "train_features_mb": feats.numel() * feats.element_size() / 2**20}
+
+
+def rank_agreement(approx: Tensor, exact: Tensor, m: int) -> dict[str, float]:
+    """Per query column (ranking the train samples): mean Spearman correlation and mean
+    top-``m`` overlap (|top-m of approx & top-m of exact| / m), plus the matrix's max |diff|
+    / max |S| and relative Frobenius error."""
+    a, e = approx.double(), exact.double()
+
+    def ranks(x: Tensor) -> Tensor:
+        return x.argsort(0).argsort(0).double()
+
+    ra, re = ranks(a), ranks(e)
+    ra, re = ra - ra.mean(0), re - re.mean(0)
+    spearman = (ra * re).sum(0) / (ra.norm(dim=0) * re.norm(dim=0)).clamp_min(1e-300)
+    ta, te = a.topk(m, 0).indices, e.topk(m, 0).indices  # (m, n_query)
+    hits = (ta[:, None, :] == te[None, :, :]).any(1).double().sum(0) / m
+    return {"max_rel_diff_vs_exact": float((a - e).abs().max() / e.abs().max()),
+            "rel_fro_err": float((a - e).norm() / e.norm()),
+            "spearman": float(spearman.mean()), "spearman_min": float(spearman.min()),
+            "top_m": m, "top_m_overlap": float(hits.mean())}
 
 
 # --- kronfluence: its own pipeline (Task, prepare_model, Analyzer), timed in two phases
@@ -413,12 +500,15 @@ def _free(device: torch.device) -> None:
 
 
 def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.device,
-            args: argparse.Namespace, notes: list[str], scores: dict[str, Tensor]
-            ) -> dict[str, Any]:
-    """One (workload, method) row; its error is recorded, never raised."""
+            args: argparse.Namespace, notes: list[str], scores: dict[str, Tensor],
+            proj_k: int | None = None) -> dict[str, Any]:
+    """One (workload, method) row (``torchfn-projected``: at ``proj_k``); its error is
+    recorded, never raised."""
     chunk = args.chunk or cfg["chunk"]
     row: dict[str, Any] = {"workload": workload, "method": method, "n_train": args.train,
                            "n_query": args.query, "chunk": chunk}
+    if proj_k is not None:
+        row["proj_k"] = proj_k
     if method == "trak":
         try:
             version = getattr(__import__("trak"), "__version__", "?")
@@ -437,17 +527,26 @@ def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.devic
     try:
         model, data = build(workload, cfg, args.train, args.query, device)
         row["params"] = sum(p.numel() for p in model.parameters())
-        make = v_ghost if method == "torchfn-ghost" else v_materialized
-        fn, info = make(model, data, chunk)
+        if method == "torchfn-projected":
+            assert proj_k is not None
+            fn, info = v_projected(model, data, chunk, proj_k)
+        else:
+            fn, info = (v_ghost if method == "torchfn-ghost" else v_materialized)(model, data,
+                                                                                   chunk)
         row.update(info)
         timing, out = measure(fn, device, args.warmup, args.repeats)
         row.update(timing)
-        scores[method] = out.detach()
+        scores[_score_key(method, proj_k)] = out.detach()
+        del fn, out
+        if method == "torchfn-projected":
+            _free(device)
+            row.update(stored_train(model, data, chunk, proj_k, device,  # type: ignore[arg-type]
+                                    args.warmup, args.repeats))
         if method == "torchfn-ghost":
             row["routes"] = routes(model, data, chunk)
             if not args.no_check:
                 row["fp64_max_rel_diff"] = check_fp64(model, data)
-        del model, data, fn, out
+        del model, data
     except Exception as e:  # OOM, a refused layer: record it, go on
         _record_error(row, e, f"{workload}/{method}", notes)
     return row
@@ -499,6 +598,10 @@ def _kf_row(row: dict[str, Any], workload: str, method: str, cfg: dict[str, Any]
     return row
 
 
+def _score_key(method: str, proj_k: int | None) -> str:
+    return method if proj_k is None else f"{method}:k={proj_k}"
+
+
 def compare(rows: list[dict[str, Any]], workload: str, scores: dict[str, Tensor]) -> None:
     """Fill the torchfn row's max rel diff vs the materialised matrix and the speed-up, and each
     kronfluence row's time over torchfn's (``torchfn_speedup``: time only, see the notes)."""
@@ -506,6 +609,23 @@ def compare(rows: list[dict[str, Any]], workload: str, scores: dict[str, Tensor]
                   and r["method"] == "torchfn-ghost"), None)
     mat = next((r for r in rows if r["workload"] == workload
                 and r["method"] == "materialized"), None)
+    exact = next((m for m in EXACT if m in scores), None)
+    for proj in rows:
+        if (proj["workload"] != workload or proj["method"] != "torchfn-projected"
+                or "error" in proj):
+            continue
+        key = _score_key("torchfn-projected", proj["proj_k"])
+        if key in scores and exact is not None and "top_m_overlap" not in proj:
+            n_train = scores[exact].shape[0]
+            proj.update(rank_agreement(scores[key], scores[exact],
+                                       max(1, min(TOP_M, n_train // 10))))
+            proj["exact_row"] = exact
+        for base in (mat, ghost):
+            if base is not None and "median_s" in proj and "median_s" in base:
+                proj[f"speedup_vs_{base['method']}"] = base["median_s"] / proj["median_s"]
+                if "stored_train_median_s" in proj:
+                    proj[f"stored_speedup_vs_{base['method']}"] = (
+                        base["median_s"] / proj["stored_train_median_s"])
     for r in rows:
         if (r["workload"] == workload and r["method"] in KF_STRATEGY and ghost is not None
                 and "median_s" in r and "median_s" in ghost):
@@ -556,8 +676,21 @@ def _check_text(r: dict[str, Any]) -> str:
         parts.append(f"max rel diff vs materialized {r['max_rel_diff_vs_materialized']:.1e}")
     if "fp64_max_rel_diff" in r:
         parts.append(f"fp64 check ({CHECK_TRAIN}x{CHECK_QUERY}) {r['fp64_max_rel_diff']:.1e}")
+    if "top_m_overlap" in r:
+        parts.append(f"k={r['proj_k']} ({r['features']:,} features): vs exact max rel diff "
+                     f"{r['max_rel_diff_vs_exact']:.1e}, rel Frobenius {r['rel_fro_err']:.1e}, "
+                     f"Spearman {r['spearman']:.3f} (min {r['spearman_min']:.3f}), top-"
+                     f"{r['top_m']} overlap {r['top_m_overlap']:.3f}")
     if "speedup_vs_materialized" in r:
         parts.append(f"speed-up {_goal(r['speedup_vs_materialized'])}")
+    if "speedup_vs_torchfn-ghost" in r:
+        parts.append(f"{r['speedup_vs_torchfn-ghost']:.2f}x torchfn-ghost")
+    if "stored_train_median_s" in r:
+        parts.append(f"train features stored: {r['train_features_s']:.3f} s once "
+                     f"({r['train_features_mb']:.0f} MiB), then {r['stored_train_median_s']:.3f}"
+                     " s per query set"
+                     + (f" ({r['stored_speedup_vs_materialized']:.1f}x materialized)"
+                        if "stored_speedup_vs_materialized" in r else ""))
     if "mem_vs_materialized" in r:
         parts.append(f"memory {r['mem_vs_materialized']:.2f}x of materialized")
     if "fit_median_s" in r:
@@ -604,7 +737,15 @@ def to_markdown(result: dict[str, Any]) -> str:
         "factors, no preconditioning) computes plain `<g_i, g_q>` over the parameters "
         "kronfluence tracks (`nn.Linear`, `nn.Conv2d`; the transformer's embeddings and "
         "LayerNorms are left out): it is checked against torchfn's `grad_inner_products("
-        "per_layer=True)` summed over the same layers (max |diff| / max |S|).", "",
+        "per_layer=True)` summed over the same layers (max |diff| / max |S|).",
+        "- `torchfn-projected` rows: **approximate** scores, `grad_inner_products(..., "
+        "projection=Projection(k, seed=0))` (per linear map a Kronecker-structured Rademacher "
+        "projection of the per-sample gradient formed from the recorded activations and output "
+        "gradients, up to k^2 features; embeddings by gathered rows; other layers dense or "
+        "exact): their error vs the exact matrix is in the checks column (max |diff| / max |S|, "
+        "relative Frobenius error, Spearman rank correlation of the train samples per query: "
+        "mean and min, top-m overlap per query); the stored-features use (train features once, "
+        "then query features + one matmul per call) is timed too.", "",
         "| workload | params | method | chunk | median s [p10, p90] | peak MiB | first call s | "
         "checks / speed-up | note |", "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for r in result["results"]:
@@ -620,6 +761,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         if r.get("routes"):
             note += "; forms per linear map: " + ", ".join(
                 f"{k} ({n})" for k, n in r["routes"].items())
+        if r["method"] == "torchfn-projected":
+            note = f"Projection(k={r['proj_k']}, seed=0, kind='rademacher')"
         if r["method"] in KF_STRATEGY:
             note = (f"strategy {r['kronfluence_strategy']}: "
                     + ("EK-FAC influence (preconditioned scores, not <grad, grad>: time "
@@ -662,13 +805,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     for w in workloads:
         scores: dict[str, Tensor] = {}
-        for method in methods:
+        todo = [(m, k) for m in methods
+                for k in (args.proj_k if m == "torchfn-projected" else [None])]
+        for method, proj_k in todo:
             if time.perf_counter() - start > args.budget_s:
                 row = {"workload": w, "method": method, "n_train": args.train,
                        "n_query": args.query, "chunk": args.chunk or cfgs[w]["chunk"],
                        "error": f"skipped: time budget (--budget-s {args.budget_s:g}) spent"}
+                if proj_k is not None:
+                    row["proj_k"] = proj_k
             else:
-                row = run_row(w, method, cfgs[w], device, args, notes, scores)
+                row = run_row(w, method, cfgs[w], device, args, notes, scores, proj_k)
                 _free(device)
             rows.append(row)
             compare(rows, w, scores)
@@ -716,6 +863,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kf-query-batch", type=int, default=None,
                         help="kronfluence's per_device_query_batch_size (default: all queries, "
                              "one pass over the train set)")
+    parser.add_argument("--proj-k", default=str(DEFAULT_PROJ_K),
+                        help="torchfn-projected: projected size per side of each linear map "
+                             f"(Projection(k=...); default {DEFAULT_PROJ_K}); a comma-separated "
+                             "list gives one row per k")
     parser.add_argument("--tiny", action="store_true", help="tiny models and sizes (CPU smoke)")
     parser.add_argument("--no-check", action="store_true", help="skip the float64 check")
     parser.add_argument("--budget-s", type=float, default=480.0,
@@ -724,6 +875,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", type=Path, default=None,
                         help="write a markdown results file here (benchmarks/results/...)")
     args = parser.parse_args(argv)
+    try:
+        args.proj_k = [int(k) for k in str(args.proj_k).split(",")]
+        if any(k < 1 for k in args.proj_k):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--proj-k {args.proj_k}: expected positive ints, comma-separated "
+                         "(e.g. 32 or 32,64,128)") from None
     args.train = args.train or (40 if args.tiny else 10_000)
     args.query = args.query or (8 if args.tiny else 1000)
     args.repeats = args.repeats or (2 if args.tiny else 5)
@@ -735,8 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print("torchfn vs materialised:")
     for r in result["results"]:
-        if r["method"] == "torchfn-ghost" and "error" not in r:
-            print(f"  {r['workload']}: {_check_text(r)[2:]}")
+        if r["method"] in ("torchfn-ghost", "torchfn-projected") and "error" not in r:
+            print(f"  {r['workload']} {r['method']}: {_check_text(r)[2:]}")
     for r in result["results"]:
         if r["method"] in KF_STRATEGY and "error" not in r:
             print(f"  {r['workload']} vs {r['method']}: {_check_text(r)[2:]}")

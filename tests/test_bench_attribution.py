@@ -30,11 +30,13 @@ def _load():
 
 def test_tiny_run_every_row_and_scores_agree(tmp_path: Path):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    assert _load().main(["--tiny", "--device", "cpu", "--repeats", "1", "--warmup", "1",
-                         "--json", str(out), "--md", str(md)]) == 0
+    mod = _load()
+    assert mod.main(["--tiny", "--device", "cpu", "--repeats", "1", "--warmup", "1",
+                     "--json", str(out), "--md", str(md)]) == 0
     res = json.loads(out.read_text())
     rows = {(r["workload"], r["method"]): r for r in res["results"]}
-    assert len(rows) == 2 * 5  # cnn, transformer x ghost, materialized, kronfluence (2), trak
+    # cnn, transformer x ghost, materialized, projected, kronfluence (2), trak
+    assert len(rows) == 2 * 6
     for w in ("cnn", "transformer"):
         for m in ("torchfn-ghost", "materialized"):
             r = rows[w, m]
@@ -45,6 +47,12 @@ def test_tiny_run_every_row_and_scores_agree(tmp_path: Path):
         assert g["fp64_max_rel_diff"] < 1e-12, g
         assert g["speedup_vs_materialized"] > 0
         assert "fallback" not in g["layers"]
+        p = rows[w, "torchfn-projected"]
+        assert "error" not in p, p
+        assert p["proj_k"] == mod.DEFAULT_PROJ_K and p["features"] > 0 and p["exact_row"] == "torchfn-ghost"
+        assert 0 <= p["top_m_overlap"] <= 1 and p["top_m"] == 4 and -1 <= p["spearman"] <= 1
+        assert p["rel_fro_err"] < 1 and p["speedup_vs_materialized"] > 0
+        assert p["stored_train_median_s"] > 0 and p["train_features_s"] > 0
         for m in ("kronfluence", "kronfluence-identity", "trak"):
             if importlib.util.find_spec(m.split("-")[0]) is None:
                 assert rows[w, m]["error"].startswith("not installed"), rows[w, m]
@@ -66,7 +74,24 @@ def test_bad_names_and_time_budget(tmp_path: Path):
     mod = _load()
     with pytest.raises(SystemExit, match=r"--methods: unknown \['ghost'\]"):
         mod.main(["--tiny", "--device", "cpu", "--methods", "ghost"])
+    with pytest.raises(SystemExit, match=r"--proj-k 0,x: expected positive ints"):
+        mod.main(["--tiny", "--device", "cpu", "--proj-k", "0,x"])
     out = tmp_path / "r.json"
     assert mod.main(["--tiny", "--device", "cpu", "--budget-s", "0", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert rows and all(r["error"].startswith("skipped: time budget") for r in rows)
+
+
+def test_projected_row_with_k_above_every_dimension_is_exact(tmp_path: Path):
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert _load().main(["--tiny", "--device", "cpu", "--repeats", "1", "--warmup", "1",
+                         "--methods", "materialized,torchfn-projected", "--proj-k", "4,100000",
+                         "--json", str(out), "--md", str(md)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    for w in ("cnn", "transformer"):
+        small, p = (r for r in rows if r["workload"] == w and r["method"] == "torchfn-projected")
+        assert small["proj_k"] == 4 and small["max_rel_diff_vs_exact"] > 1e-3, small
+        assert p["proj_k"] == 100000 and p["features"] == p["params"], p
+        assert p["exact_row"] == "materialized" and p["max_rel_diff_vs_exact"] < 1e-4, p
+        assert p["spearman"] > 0.999 and p["top_m_overlap"] == 1, p
+    assert "| cnn | 6,794 | torchfn-projected | 16 |" in md.read_text()

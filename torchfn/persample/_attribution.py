@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from torchfn.persample._ghost_norms import GhostModel
+from torchfn.persample._projection import Projection, Projector, feature_inner, layer_features
 
-__all__ = ["grad_inner_products", "tracin_scores"]
+__all__ = ["grad_inner_products", "project_grads", "tracin_scores"]
 
 TensorDict = dict[str, Tensor]
 LossFn = Callable[[Any, Any], Tensor]
@@ -29,9 +30,10 @@ def _batch(x: Any) -> int | None:
 
 def _check_pair(inputs: Any, targets: Any, what: str, where: str) -> None:
     n_in, n_t = _batch(inputs), _batch(targets)
+    pre = f"{what}_" if what else ""
     if n_in is not None and n_t is not None and n_in != n_t:
-        raise ValueError(f"{where}: {what}_inputs has batch {n_in} but {what}_targets has batch "
-                         f"{n_t}; pass one target per {what} sample (dim 0)")
+        raise ValueError(f"{where}: {pre}inputs has batch {n_in} but {pre}targets has batch "
+                         f"{n_t}; pass one target per {what + ' ' if what else ''}sample (dim 0)")
 
 
 def _rows(x: Any, lo: int, hi: int, n: int) -> Any:
@@ -51,11 +53,134 @@ def _concat(parts: list[Tensor | TensorDict]) -> Tensor | TensorDict:
     return torch.cat(parts, 0)  # type: ignore[arg-type]
 
 
+def _check_chunk(chunk_size: Any, where: str) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"{where}(chunk_size={chunk_size!r}): expected a positive int (train "
+                         "samples per ghost pass) or None (all at once)")
+
+
+def _check_projection(projection: Any, where: str) -> None:
+    if not isinstance(projection, Projection):
+        raise TypeError(f"{where}(projection=...): expected a torchfn.persample.Projection(k=..., "
+                        f"seed=..., kind=...), got {type(projection).__name__}")
+
+
+def _chunks(inputs: Any, targets: Any, n: int | None, chunk_size: int | None
+            ) -> list[tuple[Any, Any]]:
+    if chunk_size is None or n is None or chunk_size >= n:
+        return [(inputs, targets)]
+    return [(_rows(inputs, lo, min(n, lo + chunk_size), n),
+             _rows(targets, lo, min(n, lo + chunk_size), n)) for lo in range(0, n, chunk_size)]
+
+
+def _features(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tensor],
+              buffers: Mapping[str, Tensor], inputs: Any, targets: Any,
+              proj: Projector) -> tuple[TensorDict, Tensor]:
+    """One ghost pass: ``({layer: (B, K_layer)}, losses)``."""
+    res = ghost.per_sample(params, buffers, inputs, targets, loss_fn)
+    return layer_features(res.grads, proj), res.losses.detach()
+
+
+def project_grads(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tensor],
+                  buffers: Mapping[str, Tensor], inputs: Any, targets: Any, *,
+                  projection: Projection, per_layer: bool = False,
+                  chunk_size: int | None = None) -> Tensor | TensorDict:
+    """Return ``(N, K)``: every sample's gradient under a seeded random projection, so that
+    ``project_grads(train) @ project_grads(query).T`` approximates the ``(N_train, N_query)``
+    matrix of :func:`grad_inner_products`.
+
+    An approximation (TRAK, LoGra): ``E[<f_i, f_j>] = <grad l_i, grad l_j>`` over the
+    projection's randomness, the error shrinking as ``projection.k`` grows (measured against
+    the exact scores in ``benchmarks/attribution.py``). Per layer, from one ghost pass
+    (:meth:`GhostModel.per_sample`; no per-sample gradient of a linear map is formed): every
+    linear map (linear, conv on the unfold route, attention projections, recurrent weights)
+    gets the Kronecker-structured projection ``P_out^T [G_i | b_i] P_in = sum_t (g_it
+    P_out)^T (a_it P_in)`` from its recorded inputs ``a`` and output gradients ``g``
+    (``(k_out, k_in)``, ``k_* = min(k, d_*)``: a side no larger than ``k`` is exact; the bias
+    is an input column of ones); an embedding ``sum_t P_V[id_it]^T (g_it P_D)``; every other
+    layer (norms, vmap-fallback and direct layers, ``conv_method="grouped"`` convs) and every
+    group of layers tied by a parameter has its per-sample gradients materialised and
+    multiplied by a dense random ``(P_layer, k^2)`` matrix, or kept exactly when it has at
+    most ``k^2`` parameters (see :mod:`torchfn.persample._projection`). The projection
+    depends on ``projection.seed`` and the layer names only: features computed in separate
+    calls (train once, stored; queries later) and on CPU or CUDA are consistent.
+
+    ``chunk_size``: samples per ghost pass (``None``: all at once); every tensor of
+    ``inputs``/``targets`` is cut along dim 0. ``per_layer=True`` returns ``{layer: (N,
+    K_layer)}`` (a tied group under its first layer) whose concatenation, in
+    ``ghost.layer_names`` order, is the ``(N, K)`` matrix. The features have the dtype of the
+    per-sample losses. Frozen parameters do not count.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> from torchfn.persample import Projection, make_ghost_model, project_grads
+        >>> ghost, params, buffers = make_ghost_model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(),
+        ...                                                         nn.Linear(32, 3)))
+        >>> loss_fn = lambda out, y: F.cross_entropy(out, y, reduction="none")
+        >>> xs, ys = torch.randn(6, 16), torch.randint(0, 3, (6,))
+        >>> feats = project_grads(ghost, loss_fn, params, buffers, xs, ys,
+        ...                       projection=Projection(k=8, seed=0))
+        >>> feats.shape  # (8 x 8) + (3 x 21) features: the head keeps its 3 outputs exactly
+        torch.Size([6, 127])
+    """
+    where = "project_grads"
+    if not isinstance(ghost, GhostModel):
+        raise TypeError(f"{where}(ghost=...): expected a GhostModel (from make_ghost_model), "
+                        f"got {type(ghost).__name__}")
+    _check_projection(projection, where)
+    _check_pair(inputs, targets, "", where)
+    _check_chunk(chunk_size, where)
+    n = _batch(targets) if _batch(targets) is not None else _batch(inputs)
+    proj = Projector(projection)
+    parts = [_features(ghost, loss_fn, params, buffers, x, y, proj)[0]
+             for x, y in _chunks(inputs, targets, n, chunk_size)]
+    names = [k for k in ghost.layer_names if k in parts[0]]
+    for p in parts:
+        if list(p) != names:
+            raise ValueError(f"{where}: the layers called differ between chunks ({list(p)} vs "
+                             f"{names}); pass chunk_size=None")
+    out = _concat(parts)  # type: ignore[arg-type]
+    if per_layer:
+        return out
+    missing = [k for k in ghost.layer_names if k not in out and not _tied_member(ghost, k)]
+    if missing:
+        raise ValueError(f"{where}: layers {missing} were not called on these inputs, so their "
+                         "features have no fixed place in the (N, K) matrix; pass "
+                         "per_layer=True and match layers by name")
+    return torch.cat([out[k] for k in names], 1)  # type: ignore[index]
+
+
+def _tied_member(ghost: GhostModel, name: str) -> bool:
+    return any(name in members and name != head for head, members in ghost.clip_groups.items())
+
+
+def _projected_inner(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tensor],
+                     buffers: Mapping[str, Tensor], train_inputs: Any, train_targets: Any,
+                     query_inputs: Any, query_targets: Any, per_layer: bool,
+                     chunk_size: int | None, n: int | None, projection: Any
+                     ) -> Tensor | TensorDict:
+    _check_projection(projection, "grad_inner_products")
+    proj = Projector(projection)
+    fq, lq = _features(ghost, loss_fn, params, buffers, query_inputs, query_targets, proj)
+    parts = []
+    for x, y in _chunks(train_inputs, train_targets, n, chunk_size):
+        ft, lt = _features(ghost, loss_fn, params, buffers, x, y, proj)
+        like = lt.new_zeros(()).to(torch.promote_types(lt.dtype, lq.dtype))
+        parts.append(feature_inner(ft, fq, ghost.layer_names, like, per_layer,
+                                   lt.shape[0], lq.shape[0]))
+    return _concat(parts)
+
+
 def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tensor],
                         buffers: Mapping[str, Tensor], train_inputs: Any, train_targets: Any,
                         query_inputs: Any, query_targets: Any, *,
                         per_layer: bool = False,
-                        chunk_size: int | None = None) -> Tensor | TensorDict:
+                        chunk_size: int | None = None,
+                        projection: Projection | None = None) -> Tensor | TensorDict:
     """Return ``(N_train, N_query)``: ``<grad l_i, grad l_j>`` over all trainable parameters.
 
     ``l_i = loss_fn(outputs, targets)[i]`` on the train batch, ``l_j`` likewise on the query
@@ -72,6 +197,14 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
     count. With ``per_layer=True`` return ``{layer_name: (N_train, N_query)}`` summing to
     the total. The similarity base of TracIn (:func:`tracin_scores`) and gradient-similarity
     attribution.
+
+    ``projection``: a :class:`Projection` turns the exact scores into an *approximation*:
+    ``project_grads(train) @ project_grads(query).T`` (:func:`project_grads`: per linear map a
+    Kronecker-structured random projection formed from the recorded activations and output
+    gradients, TRAK/LoGra style), unbiased over the projection's randomness, with an error
+    that shrinks as ``projection.k`` grows (``benchmarks/attribution.py`` measures it against
+    the exact scores: relative error, rank correlation, top-m overlap). To score many query
+    sets against one train set, store ``project_grads(train)`` once instead.
 
     Example::
 
@@ -97,10 +230,11 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
     _check_pair(train_inputs, train_targets, "train", where)
     _check_pair(query_inputs, query_targets, "query", where)
     n = _batch(train_targets) if _batch(train_targets) is not None else _batch(train_inputs)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size < 1):
-        raise ValueError(f"{where}(chunk_size={chunk_size!r}): expected a positive int (train "
-                         "samples per ghost pass) or None (all at once)")
+    _check_chunk(chunk_size, where)
+    if projection is not None:
+        return _projected_inner(ghost, loss_fn, params, buffers, train_inputs, train_targets,
+                                query_inputs, query_targets, per_layer, chunk_size, n,
+                                projection)
     query = ghost.per_sample(params, buffers, query_inputs, query_targets, loss_fn).grads
     if chunk_size is None or n is None or chunk_size >= n:
         train = ghost.per_sample(params, buffers, train_inputs, train_targets, loss_fn).grads
@@ -118,13 +252,16 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
 def tracin_scores(ghost: GhostModel, loss_fn: LossFn, checkpoints: Sequence[Mapping[str, Tensor]],
                   lrs: Sequence[float], buffers: Mapping[str, Tensor], train_inputs: Any,
                   train_targets: Any, query_inputs: Any, query_targets: Any, *,
-                  per_layer: bool = False, chunk_size: int | None = None) -> Tensor | TensorDict:
+                  per_layer: bool = False, chunk_size: int | None = None,
+                  projection: Projection | None = None) -> Tensor | TensorDict:
     """Return ``(N_train, N_query)``: TracIn-CP scores ``sum_k lr_k <grad l_i(w_k), grad l_j(w_k)>``.
 
     ``checkpoints``: the parameter dicts ``w_k`` saved during training (keys of ``params``
     from :func:`make_ghost_model`); ``lrs``: the learning rate in effect at each (same
     length). Each term is :func:`grad_inner_products` at that checkpoint (``buffers`` shared;
-    ``chunk_size`` as there); ``per_layer=True`` gives ``{layer_name: (N_train, N_query)}``.
+    ``chunk_size`` and ``projection`` as there: with a :class:`Projection`, the approximate
+    projected scores, one projection for every checkpoint); ``per_layer=True`` gives
+    ``{layer_name: (N_train, N_query)}``.
 
     Example::
 
@@ -148,7 +285,7 @@ def tracin_scores(ghost: GhostModel, loss_fn: LossFn, checkpoints: Sequence[Mapp
     for w, lr in zip(checkpoints, lrs, strict=True):
         s = grad_inner_products(ghost, loss_fn, w, buffers, train_inputs, train_targets,
                                 query_inputs, query_targets, per_layer=per_layer,
-                                chunk_size=chunk_size)
+                                chunk_size=chunk_size, projection=projection)
         if isinstance(s, dict):
             prev = total if isinstance(total, dict) else {}
             total = {k: prev[k] + lr * v if k in prev else lr * v for k, v in s.items()}
