@@ -4,17 +4,37 @@
 global generator gives a compiled graph a different stream than eager code. DP-SGD wants
 its noise and its Poisson sampling to be reproducible from an explicit seed, identical eager
 and compiled, and resumable from ``(seed, step)`` alone. So the numbers here are a hash of
-``(key, counter)`` written in int64 tensor ops (Inductor fuses them into one kernel):
+``(key, counter)`` written in integer tensor ops (Inductor fuses them into one kernel):
 
 - a key is an int64 tensor of shape ``(2,)`` holding two 32-bit words (:func:`key_from_seed`);
 - :func:`fold_in` derives a new key from a key and an integer (the step, a parameter index);
 - :func:`random_bits` hashes counters ``offset + arange(n)`` under a key with two keyed
   rounds of a two-multiply xorshift hash from Chris Wellons' hash prospector (an
-  avalanche-tested bijection on 32 bits; multipliers below ``2**31``, so no int64 product
-  can overflow);
+  avalanche-tested bijection on 32 bits);
 - :func:`uniform` gives 53-bit float64 uniforms in ``[0, 1)`` from two words;
   :func:`normal` gives standard normals by Box-Muller with a 53-bit ``u1`` (tails to about
-  8.6 standard deviations) and a 32-bit angle.
+  8.6 standard deviations) and a 32-bit angle, both outputs of each pair used: elements
+  ``2p`` and ``2p + 1`` are the cosine and sine outputs of pair ``p`` (counters ``3p`` to
+  ``3p + 2``), so any slice of a draw (:func:`normal_slice`, a shard's part of the noise)
+  computes each pair it touches once, and a draw is a prefix of any longer one.
+
+The hash runs on int32 tensors holding the words' bit patterns (an int64 multiply is several
+32-bit instructions on GPUs and without AVX-512): it relies on int32 ``*`` and ``+`` giving
+the right low 32 bits of the product or sum, which holds for the two's complement wrap of
+eager kernels on CPU and CUDA and of Triton's ``i32`` arithmetic, and also where a backend
+keeps int32 values in wider registers (C++ signed overflow is formally undefined, and
+Inductor's C++ code has computed some int32 expressions unwrapped; pytorch/pytorch#108520,
+#190764): every shift is masked to a logical one and every read of a word masks, so only low
+32 bits ever matter. int64 values enter int32 only through an exact, in-range cast.
+The words of :func:`random_bits`, :func:`uniform` and :func:`fold_in` are those of the
+earlier int64 formulation; **the normal stream changed** (the pair layout above replaced
+``cos`` halves then ``sin`` halves over counters ``p``, ``m + p``, ``2m + p``), so a seed's
+gradient noise differs from torchfn versions before it.
+
+Values are computed in float64 and rounded once to the requested dtype. Compiled and eager
+float64 draws can differ in the last bit (the vector math libraries differ); rounded to
+float32 or bfloat16 they agree unless a value straddles a rounding boundary (none in the
+tests' draws).
 
 These are statistically strong, not cryptographic: like Opacus outside its ``secure_mode``,
 they do not defend against an adversary who can predict the generator or exploit
@@ -37,20 +57,39 @@ __all__ = ["fold_in", "key_from_seed", "normal", "normal_slice", "random_bits", 
 
 _M32 = 0xFFFFFFFF
 _TWO_PI = 2.0 * math.pi
+# fold_in's salts 0x9E3779B9 and 0x85EBCA6B as int32 bit patterns
+_I32_GOLDEN = 0x9E3779B9 - 2**32
+_I32_MURMUR = 0x85EBCA6B - 2**32
 
 
 def _mix32(x: Tensor) -> Tensor:
-    """A bijection on 32-bit words with strong avalanche (Wellons' hash prospector).
+    """A bijection on 32-bit words with strong avalanche (Wellons' hash prospector), on int32.
 
     ``x ^= x >> 16; x *= 0x21f0aaad; x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15`` (listed
-    bias 0.107). Both multipliers are below ``2**31``, so ``x * c < 2**63`` never overflows
-    int64 and ``x`` is read once per product (Inductor inlines every read).
+    bias 0.107) on unsigned words, written on int32 tensors holding the words' bit patterns:
+    the products are taken modulo ``2**32`` (two's complement wrap) and each right shift is
+    masked to a logical one. Every step's low 32 bits depend only on its inputs' low 32 bits,
+    and every read of a word (:func:`_unsigned`, the float conversions) masks, so the words
+    are right also where a backend keeps int32 values in wider registers without wrapping.
     """
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x21F0AAAD
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x735A2D97
+    return x ^ ((x >> 15) & 0x1FFFF)
+
+
+def _word32(x: Tensor) -> Tensor:
+    """int64 values (low 32 bits used) -> int32 tensor of the same 32-bit words.
+
+    Centred into ``[-2**31, 2**31)`` in int64 first, so the cast is exact (no reliance on how a
+    backend casts an out-of-range int64)."""
+    return (((x & _M32) ^ 0x80000000) - 0x80000000).to(torch.int32)
+
+
+def _unsigned(w: Tensor) -> Tensor:
+    """int32 words -> int64 values in ``[0, 2**32)``."""
+    return w.to(torch.int64) & _M32
 
 
 def _splitmix64(z: int) -> int:
@@ -85,9 +124,10 @@ def fold_in(key: Tensor, data: int | Tensor) -> Tensor:
     """
     d = data & _M32 if isinstance(data, Tensor) else torch.tensor(data & _M32, device=key.device)
     d = d.to(device=key.device, dtype=torch.int64)
-    a = _mix32(key[0] ^ _mix32(d ^ 0x9E3779B9))
-    b = _mix32(((key[1] + a) & _M32) ^ _mix32((d + 0x85EBCA6B) & _M32))
-    return torch.stack([a, b])
+    k0, k1, d = _word32(key[0]), _word32(key[1]), _word32(d)
+    a = _mix32(k0 ^ _mix32(d ^ _I32_GOLDEN))
+    b = _mix32((k1 + a) ^ _mix32(d + _I32_MURMUR))
+    return _unsigned(torch.stack([a, b]))
 
 
 def random_bits(key: Tensor, n: int, offset: int = 0) -> Tensor:
@@ -108,9 +148,14 @@ def random_bits(key: Tensor, n: int, offset: int = 0) -> Tensor:
 
 
 def _bits_at(key: Tensor, counters: Tensor) -> Tensor:
-    """Return the 32-bit words of ``key`` at the int64 ``counters`` (any shape, any order)."""
-    h = _mix32(counters ^ key[0])
-    return _mix32(((h + key[1]) & _M32) ^ 0x5BD1E995)
+    """Return the 32-bit words (int64) of ``key`` at the int64 ``counters`` (any shape)."""
+    return _unsigned(_hash32(_word32(key[0]), _word32(key[1]), _word32(counters)))
+
+
+def _hash32(k0: Tensor, k1: Tensor, c: Tensor) -> Tensor:
+    """The word of counter ``c`` under key words ``k0, k1``: two keyed :func:`_mix32` rounds
+    (all int32 tensors, broadcast)."""
+    return _mix32((_mix32(c ^ k0) + k1) ^ 0x5BD1E995)
 
 
 def _unit53(key: Tensor, n: int, offset: int) -> Tensor:
@@ -134,12 +179,57 @@ def uniform(key: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
     return _unit53(key, n, 0).reshape(shape)
 
 
+def _check_pairs(where: str, n_pairs: int) -> None:
+    if 3 * n_pairs > 2**32:
+        raise ValueError(f"{where}: at most {2 * (2**32 // 3)} normals per key (3 counters per "
+                         f"pair of normals), got {2 * n_pairs}; split the draw over several "
+                         f"keys (fold_in)")
+
+
+def _pairs(key: Tensor, p: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Return Box-Muller pairs ``(r cos(theta), r sin(theta))`` in ``dtype`` for the int32 pair
+    indices ``p`` (any shape, each in ``[0, 2**32 / 3)``).
+
+    Pair ``p`` hashes counters ``3p, 3p + 1, 3p + 2``: a 53-bit ``u1`` in ``(0, 1]`` from the
+    first two words (27 + 26 bits), the angle ``theta = 2 pi w / 2**32`` from the third; then
+    ``r = sqrt(-2 log u1)`` and both outputs in float64, each rounded once to ``dtype`` (so a
+    compiled graph writes only ``dtype`` values)."""
+    k0, k1 = _word32(key[0]), _word32(key[1])
+    c = p * 3  # int32: wraps like the hash (p < 2**32 / 3, so c + 2 < 2**32 as a word)
+    hi = (_hash32(k0, k1, c) >> 5) & 0x7FFFFFF  # 27 bits
+    lo = (_hash32(k0, k1, c + 1) >> 6) & 0x3FFFFFF  # 26 bits
+    w = _hash32(k0, k1, c + 2)
+    u1 = 1.0 - (hi.to(torch.float64) * 67108864.0 + lo.to(torch.float64)) * (
+        1.0 / 9007199254740992.0)
+    # the angle's word as an unsigned value, from two masked 16-bit halves (exact in float64)
+    theta = (((w >> 16) & 0xFFFF).to(torch.float64) * 65536.0
+             + (w & 0xFFFF).to(torch.float64)) * (_TWO_PI / 4294967296.0)
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    return (r * torch.cos(theta)).to(dtype), (r * torch.sin(theta)).to(dtype)
+
+
+def _pair_range(key: Tensor, start: int, length: int, dtype: torch.dtype) -> Tensor:
+    """Return elements ``[start, start + length)`` of the flat draw from the pairs covering them
+    (each pair's two outputs computed once), a ``(length,)`` tensor."""
+    if length == 0:
+        return torch.zeros(0, dtype=dtype, device=key.device)
+    first, end = start >> 1, (start + length + 1) >> 1
+    p = torch.arange(first, end, dtype=torch.int32, device=key.device)
+    c, s = _pairs(key, p, dtype)
+    flat = torch.stack([c, s], dim=1).reshape(-1)
+    return flat[start & 1:(start & 1) + length]
+
+
 def normal(key: Tensor, shape: tuple[int, ...] | torch.Size,
            dtype: torch.dtype = torch.float32) -> Tensor:
     """Return standard normal samples of the given shape and dtype (Box-Muller in float64).
 
-    Uses counters ``[0, 3 m)`` of ``key``, ``m = ceil(n / 2)``: per pair of outputs a 53-bit
-    radius uniform (two words) and a 32-bit angle.
+    Element ``2p`` of the flat draw is the cosine and element ``2p + 1`` the sine output of
+    Box-Muller pair ``p``, whose words sit at counters ``3p``, ``3p + 1`` and ``3p + 2``
+    (a 53-bit radius uniform from two words, a 32-bit angle): 1.5 hashed words, one ``log``,
+    ``sqrt``, ``cos`` and ``sin`` per two normals. The values are computed in float64 and
+    rounded once to ``dtype``. The draw of ``n`` elements is the first ``n`` of any longer
+    draw under the same key. At most ``2 * (2**32 // 3)`` elements per key.
 
     Example:
         >>> z = normal(key_from_seed(0), (10000,), torch.float64)
@@ -147,12 +237,8 @@ def normal(key: Tensor, shape: tuple[int, ...] | torch.Size,
         True
     """
     n = math.prod(shape)
-    m = (n + 1) // 2
-    u1 = 1.0 - _unit53(key, m, 0)  # (0, 1]
-    angle = random_bits(key, m, 2 * m).to(torch.float64) * (_TWO_PI / 4294967296.0)
-    r = torch.sqrt(-2.0 * torch.log(u1))
-    z = torch.cat([r * torch.cos(angle), r * torch.sin(angle)])[:n]
-    return z.reshape(shape).to(dtype)
+    _check_pairs("normal", (n + 1) // 2)
+    return _pair_range(key, 0, n, dtype).reshape(shape)
 
 
 def normal_slice(key: Tensor, n: int, start: int, length: int,
@@ -160,31 +246,52 @@ def normal_slice(key: Tensor, n: int, start: int, length: int,
     """Return ``normal(key, (n,), dtype)[start:start + length]`` without drawing the rest.
 
     A ``(length,)`` tensor, bit-identical to that slice: element ``j`` of the flat draw is the
-    cosine (``j < m``) or sine (``j >= m``) half of Box-Muller pair ``j mod m``
-    (``m = ceil(n / 2)``), whose words sit at counters ``p``, ``m + p`` and ``2 m + p``. So each
-    rank of a sharded step can draw exactly its own part of one global noise vector.
+    cosine (even ``j``) or sine (odd ``j``) output of Box-Muller pair ``j // 2`` (see
+    :func:`normal`), so each rank of a sharded step can draw exactly its own part of one global
+    noise vector, computing each pair it touches once (one extra pair at an odd end).
 
     Example:
         >>> k = key_from_seed(3)
-        >>> torch.equal(normal_slice(k, 11, 4, 5), normal(k, (11,))[4:9])
+        >>> torch.equal(normal_slice(k, 11, 3, 5), normal(k, (11,))[3:8])
         True
     """
     if start < 0 or length < 0 or (length and start + length > n):
         raise ValueError(f"normal_slice(n={n}, start={start}, length={length}): expected "
                          f"start >= 0, length >= 0 and start + length <= n (any start for length 0)")
-    return _normal_at(key, n, torch.arange(start, start + length, dtype=torch.int64,
-                                           device=key.device), dtype)
+    _check_pairs("normal_slice", (n + 1) // 2)
+    return _pair_range(key, start, length, dtype)
+
+
+def _normal_ranges(key: Tensor, n: int, ranges: list[tuple[int, int]],
+                   dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    """Return ``[normal(key, (n,), dtype)[s:s + l] for (s, l) in ranges]`` in one pass.
+
+    The pairs covering every range are hashed together (one pass of the elementwise ops for
+    all ranges, each pair's two outputs computed once); each result is a view of that pass."""
+    _check_pairs("_normal_ranges", (n + 1) // 2)
+    spans = [(s >> 1, (s + ln + 1) >> 1) if ln else (0, 0) for s, ln in ranges]
+    if any(s < 0 or ln < 0 or s + ln > n for s, ln in ranges):
+        raise ValueError(f"_normal_ranges(n={n}, ranges={ranges}): expected each start >= 0, "
+                         f"length >= 0 and start + length <= n")
+    # (no host-to-device copy of a position table: that would block the host on CUDA)
+    parts = [torch.arange(a, b, dtype=torch.int32, device=key.device) for a, b in spans if b > a]
+    if not parts:
+        return [torch.zeros(0, dtype=dtype, device=key.device) for _ in ranges]
+    p = parts[0] if len(parts) == 1 else torch.cat(parts)
+    c, s = _pairs(key, p, dtype)
+    flat = torch.stack([c, s], dim=1).reshape(-1)
+    out, offset = [], 0
+    for (start, length), (a, b) in zip(ranges, spans, strict=True):
+        lo = 2 * offset + (start & 1)
+        out.append(flat[lo:lo + length])
+        offset += b - a
+    return out
 
 
 def _normal_at(key: Tensor, n: int, j: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Return ``normal(key, (n,), dtype)[j]`` for int64 positions ``j`` (any shape, each in
-    ``[0, n)``) without drawing the rest: :func:`normal_slice` at arbitrary positions, so the
-    slices of many params can be drawn in one pass (same values, elementwise)."""
-    m = (n + 1) // 2
-    second = j >= m
-    p = torch.where(second, j - m, j)
-    hi, lo = _bits_at(key, p) >> 5, _bits_at(key, m + p) >> 6
-    u1 = 1.0 - (hi * 67108864 + lo).to(torch.float64) * (1.0 / 9007199254740992.0)
-    angle = _bits_at(key, 2 * m + p).to(torch.float64) * (_TWO_PI / 4294967296.0)
-    r = torch.sqrt(-2.0 * torch.log(u1))
-    return torch.where(second, r * torch.sin(angle), r * torch.cos(angle)).to(dtype)
+    ``[0, n)``) without drawing the rest, elementwise (each element hashes its whole pair;
+    :func:`_normal_ranges` shares pairs across contiguous ranges)."""
+    _check_pairs("_normal_at", (n + 1) // 2)
+    c, s = _pairs(key, (j >> 1).to(torch.int32), dtype)
+    return torch.where((j & 1) == 1, s, c)

@@ -74,7 +74,7 @@ from torchfn.persample._dp_clipping import (
     clip_coefficients,
     next_clip_norm,
 )
-from torchfn.persample._dp_random import _normal_at, fold_in, key_from_seed, normal
+from torchfn.persample._dp_random import _normal_ranges, fold_in, key_from_seed, normal
 from torchfn.persample._dp_secure import next_secure_key, secure_key, secure_normal
 from torchfn.persample._ghost_norms import GhostModel
 
@@ -144,6 +144,12 @@ def _first(params: Mapping[str, Tensor]) -> Tensor:
     if not params:
         raise ValueError("DP-SGD: the model has no parameters")
     return next(iter(params.values()))
+
+
+def _noise_dtype(state: DPState, noised: list[str]) -> torch.dtype:
+    """The dtype to draw the seeded noise in: the noised params' one dtype, else float64."""
+    dtypes = {state.params[k].dtype for k in noised}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float64
 
 
 def init_dp_state(
@@ -381,11 +387,11 @@ class DPTrainStep:
                 flat = list(secure_normal(state.key, sum(sizes), state.step).split(sizes))
             else:
                 sizes = [sums[k].numel() for k in noised]
-                flat_z = normal(state.key, (sum(sizes),), torch.float64)
-                dtypes = {state.params[k].dtype for k in noised}
-                if len(dtypes) == 1:  # one cast of the whole draw (same values as per leaf)
-                    flat_z = flat_z.to(dtypes.pop())
-                flat = list(flat_z.split(sizes))
+                # drawn in the params' dtype when they share one: float64 math rounded once
+                # (the same values as a float64 draw cast per leaf), and a compiled graph
+                # writes and reads only that dtype
+                flat = list(normal(state.key, (sum(sizes),), _noise_dtype(state, noised))
+                            .split(sizes))
             grads = {}
             for name, z in zip(noised, flat, strict=True):
                 g = sums[name].to(state.params[name].dtype)
@@ -403,7 +409,7 @@ class DPTrainStep:
         if missing:
             raise ValueError(f"DP-SGD step: noise_slices lack the params {missing}")
         n = sum(slices[k][0] for k in noised)
-        # the draw's positions of every param's shard, concatenated over groups of params of
+        # the pairs covering every param's shard, hashed together over groups of params of
         # up to _NOISE_GROUP elements: one pass of the ~90 elementwise ops per group instead of
         # per param (a step of many params is otherwise bound by the host launching them); a
         # bigger param goes alone, so the peak memory is that of the largest param's draw
@@ -419,17 +425,11 @@ class DPTrainStep:
             groups[-1].append(k)
             filled += length
         out = []
-        device = state.key.device
+        dtype = _noise_dtype(state, noised)
         for group in groups:
-            lengths = [slices[k][2] for k in group]
-            # (no host-to-device copy of a position table: that would block the host on CUDA)
-            ranges = [torch.arange(starts[k], starts[k] + length, dtype=torch.int64,
-                                   device=device) for k, length in zip(group, lengths,
-                                                                       strict=True)]
-            j = ranges[0] if len(ranges) == 1 else torch.cat(ranges)
-            ranges = []
-            z = _normal_at(state.key, n, j, torch.float64)
-            for k, part in zip(group, z.split(lengths), strict=True):
+            parts = _normal_ranges(state.key, n, [(starts[k], slices[k][2]) for k in group],
+                                   dtype)
+            for k, part in zip(group, parts, strict=True):
                 _, _, length, size = slices[k]
                 out.append(torch.nn.functional.pad(part, (0, size - length)))
         return out
