@@ -134,3 +134,14 @@ def test_cuda_compiled_maml_with_unfolded_convs_equals_eager_conv2d(min_patch, o
     assert isinstance(fast[4 if min_patch > 9 else 0], UnfoldConv2d)
     got = _meta_grad(fast, Task(*(t.cuda() for t in tasks)), {"options": options})
     _assert_close_on_global_scale(got, want, 1e-10)
+
+
+def test_unfold_convs_only_picks_convs_by_qualified_name() -> None:
+    # ``only`` sees each eligible conv's qualified name and keeps the others convolutions
+    net = nn.Sequential(nn.Conv2d(8, 8, 3), nn.Sequential(nn.Conv2d(8, 8, 3), nn.ReLU()))
+    seen: list[str] = []
+    out = unfold_convs(net, only=lambda path: seen.append(path) or path == "1.0")
+    assert seen == ["0", "1.0"]
+    assert [type(m).__name__ for m in (out[0], out[1][0])] == ["Conv2d", "UnfoldConv2d"]
+    x = torch.randn(2, 8, 9, 9, dtype=torch.float64)
+    torch.testing.assert_close(out.double()(x), net.double()(x))

@@ -18,6 +18,7 @@ Measurements and how to rerun them: ``benchmarks/README.md``.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -84,13 +85,16 @@ class UnfoldConv2d(nn.Module):
         return out.unflatten(-1, (h_out, w_out))
 
 
-def unfold_convs(module: nn.Module, *, min_patch: int = 64) -> nn.Module:
+def unfold_convs(module: nn.Module, *, min_patch: int = 64,
+                 only: Callable[[str], bool] | None = None) -> nn.Module:
     """Return a copy of ``module`` whose eligible ``nn.Conv2d`` layers are :class:`UnfoldConv2d`.
 
     Eligible: exactly ``nn.Conv2d`` (not subclasses), ``groups=1``, zero padding (numeric or
     ``'valid'``), and a patch of at least ``min_patch`` numbers (``C_in * kh * kw``: the inner
     dimension of the GEMM; the default 64 leaves a first layer on 1-channel images, patch 9,
-    to cuDNN). Parameter and buffer names and values are unchanged (the copy shares no
+    to cuDNN). ``only``, if given, is called with each eligible conv's qualified name (as in
+    ``named_modules()``, ``""`` for ``module`` itself) and keeps it a convolution when it returns
+    false. Parameter and buffer names and values are unchanged (the copy shares no
     tensors with ``module``), so ``make_functional`` of the copy takes the same dicts. Meant for
     MAML-style steps compiled with ``torch.compile``, where vmapped per-task convolutions
     become batched GEMMs (see the module docstring: much faster than ``F.conv2d`` on CUDA for
@@ -130,10 +134,13 @@ def unfold_convs(module: nn.Module, *, min_patch: int = 64) -> nn.Module:
                 and m.padding != "same"
                 and m.in_channels * m.kernel_size[0] * m.kernel_size[1] >= min_patch)
 
-    if eligible(out):
+    def chosen(path: str, m: nn.Module) -> bool:
+        return eligible(m) and (only is None or bool(only(path)))
+
+    if chosen("", out):
         return UnfoldConv2d(out)  # type: ignore[arg-type]
-    for parent in list(out.modules()):
+    for path, parent in list(out.named_modules(remove_duplicate=False)):
         for name, child in list(parent._modules.items()):
-            if child is not None and eligible(child):
+            if child is not None and chosen(f"{path}.{name}" if path else name, child):
                 parent._modules[name] = UnfoldConv2d(child)  # type: ignore[arg-type]
     return out

@@ -18,14 +18,13 @@ the params dict, its keys and checkpoints are the same with and without it.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from torchfn.compile._unfold_conv import UnfoldConv2d
+from torchfn.compile import unfold_convs
 from torchfn.functional import FunctionalModel
 
 __all__: list[str] = []
@@ -67,41 +66,30 @@ class CompiledUnfold:
         return fn(params, buffers, *args, **kwargs)
 
 
-def _eligible(m: nn.Module) -> bool:
-    return (type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
-            and m.padding != "same"
-            and m.in_channels * m.kernel_size[0] * m.kernel_size[1] >= AUTO_MIN_PATCH)
-
-
 def unfolded_twin(model_fn: FunctionalModel, adapted: Callable[[str], bool]
                   ) -> FunctionalModel | None:
-    """Return ``model_fn`` with its eligible, adapted convolutions as ``UnfoldConv2d``, or
-    ``None`` when there are none.
+    """Return ``model_fn`` with its eligible, adapted convolutions as unfold + matmul
+    (:func:`torchfn.compile.unfold_convs` with ``min_patch=AUTO_MIN_PATCH``), or ``None`` when
+    there are none.
 
-    Eligible as in :func:`torchfn.compile.unfold_convs` with ``min_patch=AUTO_MIN_PATCH``;
-    adapted: ``adapted(name)`` is true for the primary name of the conv's weight (a conv whose
+    Adapted: ``adapted(name)`` is true for the primary name of the conv's weight (a conv whose
     weight the inner loop leaves alone is shared by all tasks, an ordinary batched convolution
     that cuDNN runs well). The twin shares ``model_fn``'s layout (names, shapes, checks); its
     private module is a copy of ``model_fn``'s (``meta`` placeholders: no tensor memory).
     """
     primary_of = {alias: primary for primary, names in model_fn._layout.param_aliases.items()
                   for alias in names}
-    module = copy.deepcopy(model_fn._module)
-    swaps = []
-    for path, m in module.named_modules(remove_duplicate=False):
+    swapped: list[str] = []
+
+    def only(path: str) -> bool:
         weight = f"{path}.weight" if path else "weight"
-        if _eligible(m) and weight in primary_of and adapted(primary_of[weight]):
-            swaps.append(path)
-    if not swaps:
-        return None
-    for path in swaps:
-        if not path:
-            module = UnfoldConv2d(module)  # type: ignore[arg-type]
-            break
-        prefix, _, attr = path.rpartition(".")
-        parent = module.get_submodule(prefix)
-        parent._modules[attr] = UnfoldConv2d(parent._modules[attr])  # type: ignore[arg-type]
-    return FunctionalModel(module, model_fn._layout)
+        if weight in primary_of and adapted(primary_of[weight]):
+            swapped.append(path)
+            return True
+        return False
+
+    module = unfold_convs(model_fn._module, min_patch=AUTO_MIN_PATCH, only=only)
+    return FunctionalModel(module, model_fn._layout) if swapped else None
 
 
 def compiled_model_fn(model_fn: Any, mode: str | bool, adapted: Callable[[str], bool]) -> Any:
