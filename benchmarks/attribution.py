@@ -25,12 +25,17 @@ Rows, each computing the whole ``(n_train, n_query)`` matrix once per timed call
   gradients of the query set flattened to ``(n_query, P)`` (in chunks), then per train chunk
   its ``(chunk, P)`` gradients and one ``(chunk, P) @ (P, n_query)`` matmul;
 - ``torchfn-projected``: ``grad_inner_products(..., projection=Projection(k=--proj-k,
-  seed=0), chunk_size=--chunk)``: an *approximation* (TRAK / LoGra random projections): per
-  linear map the Kronecker-structured projection ``sum_t (g_it P_out)^T (a_it P_in)``
+  seed=0, factored=...), chunk_size=--chunk)``: an *approximation* (TRAK / LoGra random
+  projections): linear maps applied once per sample (the CNN's two dense layers, the
+  transformer's head) or at few positions kept exact as their factors (inputs with a ones
+  column, output gradients; pair score ``(a_i . a_j)(g_i . g_j)``; ``--proj-factored``:
+  ``on``, the default, ``off``: every map projected, or ``both``: one row each), the other
+  linear maps the Kronecker-structured projection ``sum_t (g_it P_out)^T (a_it P_in)``
   (``(k, k)``, from the ghost pass's recorded inputs and output gradients, no per-sample
   gradient formed), embeddings by gathered rows of ``P_V``, other layers materialised and
   projected densely (or exact when they have at most ``k^2`` parameters); scores =
-  ``train_feats @ query_feats.T``. Its accuracy is measured against the exact matrix (the
+  ``projected_scores(train_feats, query_feats)``. Feature sizes per sample: projected
+  features, factor numbers, their total (``features``) and the factored maps. Its accuracy is measured against the exact matrix (the
   ``torchfn-ghost`` row's, else the ``materialized`` one's): max |diff| / max |S|, relative
   Frobenius error, Spearman rank correlation of the train samples per query column (mean
   and min over queries) and top-m overlap per query column (m = min(100, n_train / 10)).
@@ -119,11 +124,13 @@ from _bench import Timing, device_name, set_tf32_off, sync, time_calls
 from persample import CNN
 
 from torchfn.persample import (
+    ProjectedGrads,
     Projection,
     _ghost_grads,
     grad_inner_products,
     make_ghost_model,
     project_grads,
+    projected_scores,
 )
 
 WORKLOADS = ("cnn", "transformer")
@@ -243,34 +250,41 @@ def v_materialized(model: nn.Module, data: tuple[Tensor, ...], chunk: int
     return run, {}
 
 
-def v_projected(model: nn.Module, data: tuple[Tensor, ...], chunk: int, k: int
-                ) -> tuple[Callable[[], Tensor], dict[str, Any]]:
-    """``grad_inner_products(..., projection=Projection(k, seed=0))``: train and query
-    features from one ghost pass each (per chunk), then one matmul per chunk."""
+def v_projected(model: nn.Module, data: tuple[Tensor, ...], chunk: int, k: int,
+                factored: bool) -> tuple[Callable[[], Tensor], dict[str, Any]]:
+    """``grad_inner_products(..., projection=Projection(k, seed=0, factored=factored))``:
+    train and query features from one ghost pass each (per chunk), then one matmul per chunk
+    (plus two GEMMs per factored map)."""
     ghost, params, buffers = make_ghost_model(model)
     xs, ys, xq, yq = data
-    proj = Projection(k=k, seed=0)
+    proj = Projection(k=k, seed=0, factored=factored)
 
     def run() -> Tensor:
         return grad_inner_products(ghost, xent_none, params, buffers, xs, ys, xq, yq,
                                    chunk_size=chunk, projection=proj)  # type: ignore[return-value]
 
     n = min(2, len(ys))
-    features = project_grads(ghost, xent_none, params, buffers, xs[:n], ys[:n], projection=proj)
-    return run, {"proj_k": k, "features": int(features.shape[1])}
+    f = project_grads(ghost, xent_none, params, buffers, xs[:n], ys[:n], projection=proj)
+    return run, {"proj_k": k, "proj_factored": factored, "features": f.num_features,
+                 "projected_features": int(f.projected.shape[1]),  # type: ignore[union-attr]
+                 "factored_features": f.num_features - int(f.projected.shape[1]),  # type: ignore[union-attr]
+                 "factored_maps": {key: f"{a.shape[-1]}+{g.shape[-1]}"
+                                   + (f" T={a.shape[1]}" if a.dim() > 2 else "")
+                                   for key, (a, g) in f.factored.items()}}
 
 
 def stored_train(model: nn.Module, data: tuple[Tensor, ...], chunk: int, k: int,
-                 device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+                 factored: bool, device: torch.device, warmup: int, repeats: int
+                 ) -> dict[str, float]:
     """The stored-features use: train features computed once (timed alone), then per timed call
-    only the query's features and ``train_feats @ query_feats.T``."""
+    only the query's features and ``projected_scores(train_feats, query_feats)``."""
     ghost, params, buffers = make_ghost_model(model)
     xs, ys, xq, yq = data
-    proj = Projection(k=k, seed=0)
+    proj = Projection(k=k, seed=0, factored=factored)
 
-    def train() -> Tensor:
+    def train() -> ProjectedGrads:
         return project_grads(ghost, xent_none, params, buffers, xs, ys, projection=proj,
-                             chunk_size=chunk)  # type: ignore[return-value]
+                             chunk_size=chunk)
 
     t = time_calls(train, device, warmup=1, repeats=1)  # warm: the time of a second pass
     feats = t.first_output
@@ -278,11 +292,14 @@ def stored_train(model: nn.Module, data: tuple[Tensor, ...], chunk: int, k: int,
     def score() -> Tensor:
         q = project_grads(ghost, xent_none, params, buffers, xq, yq, projection=proj,
                           chunk_size=chunk)
-        return feats @ q.T  # type: ignore[operator]
+        return projected_scores(feats, q)  # type: ignore[return-value]
 
     s = time_calls(score, device, warmup=warmup, repeats=repeats)
+    p = feats.projected
+    size = p.numel() * p.element_size() + sum(v.numel() * v.element_size()
+                                              for ag in feats.factored.values() for v in ag)
     return {"train_features_s": t.median_s, "stored_train_median_s": s.median_s,
-            "train_features_mb": feats.numel() * feats.element_size() / 2**20}
+            "train_features_mb": size / 2**20}
 
 
 def rank_agreement(approx: Tensor, exact: Tensor, m: int) -> dict[str, float]:
@@ -501,14 +518,14 @@ def _free(device: torch.device) -> None:
 
 def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.device,
             args: argparse.Namespace, notes: list[str], scores: dict[str, Tensor],
-            proj_k: int | None = None) -> dict[str, Any]:
-    """One (workload, method) row (``torchfn-projected``: at ``proj_k``); its error is
-    recorded, never raised."""
+            proj_k: int | None = None, proj_factored: bool = True) -> dict[str, Any]:
+    """One (workload, method) row (``torchfn-projected``: at ``proj_k``, ``proj_factored``);
+    its error is recorded, never raised."""
     chunk = args.chunk or cfg["chunk"]
     row: dict[str, Any] = {"workload": workload, "method": method, "n_train": args.train,
                            "n_query": args.query, "chunk": chunk}
     if proj_k is not None:
-        row["proj_k"] = proj_k
+        row["proj_k"], row["proj_factored"] = proj_k, proj_factored
     if method == "trak":
         try:
             version = getattr(__import__("trak"), "__version__", "?")
@@ -529,19 +546,19 @@ def run_row(workload: str, method: str, cfg: dict[str, Any], device: torch.devic
         row["params"] = sum(p.numel() for p in model.parameters())
         if method == "torchfn-projected":
             assert proj_k is not None
-            fn, info = v_projected(model, data, chunk, proj_k)
+            fn, info = v_projected(model, data, chunk, proj_k, proj_factored)
         else:
             fn, info = (v_ghost if method == "torchfn-ghost" else v_materialized)(model, data,
                                                                                    chunk)
         row.update(info)
         timing, out = measure(fn, device, args.warmup, args.repeats)
         row.update(timing)
-        scores[_score_key(method, proj_k)] = out.detach()
+        scores[_score_key(method, proj_k, proj_factored)] = out.detach()
         del fn, out
         if method == "torchfn-projected":
             _free(device)
-            row.update(stored_train(model, data, chunk, proj_k, device,  # type: ignore[arg-type]
-                                    args.warmup, args.repeats))
+            row.update(stored_train(model, data, chunk, proj_k,  # type: ignore[arg-type]
+                                    proj_factored, device, args.warmup, args.repeats))
         if method == "torchfn-ghost":
             row["routes"] = routes(model, data, chunk)
             if not args.no_check:
@@ -598,8 +615,8 @@ def _kf_row(row: dict[str, Any], workload: str, method: str, cfg: dict[str, Any]
     return row
 
 
-def _score_key(method: str, proj_k: int | None) -> str:
-    return method if proj_k is None else f"{method}:k={proj_k}"
+def _score_key(method: str, proj_k: int | None, proj_factored: bool = True) -> str:
+    return method if proj_k is None else f"{method}:k={proj_k}:factored={proj_factored}"
 
 
 def compare(rows: list[dict[str, Any]], workload: str, scores: dict[str, Tensor]) -> None:
@@ -614,7 +631,7 @@ def compare(rows: list[dict[str, Any]], workload: str, scores: dict[str, Tensor]
         if (proj["workload"] != workload or proj["method"] != "torchfn-projected"
                 or "error" in proj):
             continue
-        key = _score_key("torchfn-projected", proj["proj_k"])
+        key = _score_key("torchfn-projected", proj["proj_k"], proj["proj_factored"])
         if key in scores and exact is not None and "top_m_overlap" not in proj:
             n_train = scores[exact].shape[0]
             proj.update(rank_agreement(scores[key], scores[exact],
@@ -677,7 +694,8 @@ def _check_text(r: dict[str, Any]) -> str:
     if "fp64_max_rel_diff" in r:
         parts.append(f"fp64 check ({CHECK_TRAIN}x{CHECK_QUERY}) {r['fp64_max_rel_diff']:.1e}")
     if "top_m_overlap" in r:
-        parts.append(f"k={r['proj_k']} ({r['features']:,} features): vs exact max rel diff "
+        parts.append(f"k={r['proj_k']} ({r['features']:,} features: {r['projected_features']:,} "
+                     f"projected + {r['factored_features']:,} exact factors): vs exact max rel diff "
                      f"{r['max_rel_diff_vs_exact']:.1e}, rel Frobenius {r['rel_fro_err']:.1e}, "
                      f"Spearman {r['spearman']:.3f} (min {r['spearman_min']:.3f}), top-"
                      f"{r['top_m']} overlap {r['top_m_overlap']:.3f}")
@@ -739,13 +757,16 @@ def to_markdown(result: dict[str, Any]) -> str:
         "LayerNorms are left out): it is checked against torchfn's `grad_inner_products("
         "per_layer=True)` summed over the same layers (max |diff| / max |S|).",
         "- `torchfn-projected` rows: **approximate** scores, `grad_inner_products(..., "
-        "projection=Projection(k, seed=0))` (per linear map a Kronecker-structured Rademacher "
-        "projection of the per-sample gradient formed from the recorded activations and output "
-        "gradients, up to k^2 features; embeddings by gathered rows; other layers dense or "
-        "exact): their error vs the exact matrix is in the checks column (max |diff| / max |S|, "
+        "projection=Projection(k, seed=0, factored=...))` (`factored=True`: linear maps "
+        "applied once per sample, or at few positions, kept exact as their factors, inputs "
+        "with a ones column and output gradients, pair score (a_i . a_j)(g_i . g_j); every "
+        "other linear map, or every one with `factored=False`, a Kronecker-structured "
+        "Rademacher projection of the per-sample gradient formed from the recorded activations "
+        "and output gradients, up to k^2 features; embeddings by gathered rows; other layers "
+        "dense or exact; feature sizes per sample in the checks column): their error vs the exact matrix is in the checks column (max |diff| / max |S|, "
         "relative Frobenius error, Spearman rank correlation of the train samples per query: "
         "mean and min, top-m overlap per query); the stored-features use (train features once, "
-        "then query features + one matmul per call) is timed too.", "",
+        "then query features + `projected_scores` per call) is timed too.", "",
         "| workload | params | method | chunk | median s [p10, p90] | peak MiB | first call s | "
         "checks / speed-up | note |", "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for r in result["results"]:
@@ -762,7 +783,11 @@ def to_markdown(result: dict[str, Any]) -> str:
             note += "; forms per linear map: " + ", ".join(
                 f"{k} ({n})" for k, n in r["routes"].items())
         if r["method"] == "torchfn-projected":
-            note = f"Projection(k={r['proj_k']}, seed=0, kind='rademacher')"
+            note = (f"Projection(k={r['proj_k']}, seed=0, kind='rademacher', "
+                    f"factored={r['proj_factored']})")
+            if r.get("factored_maps"):
+                note += "; exact as factors (d_in+1 + d_out): " + ", ".join(
+                    f"{k} {v}" for k, v in r["factored_maps"].items())
         if r["method"] in KF_STRATEGY:
             note = (f"strategy {r['kronfluence_strategy']}: "
                     + ("EK-FAC influence (preconditioned scores, not <grad, grad>: time "
@@ -805,17 +830,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     for w in workloads:
         scores: dict[str, Tensor] = {}
-        todo = [(m, k) for m in methods
-                for k in (args.proj_k if m == "torchfn-projected" else [None])]
-        for method, proj_k in todo:
+        todo = [(m, k, f) for m in methods
+                for k in (args.proj_k if m == "torchfn-projected" else [None])
+                for f in (args.proj_factored if m == "torchfn-projected" else [True])]
+        for method, proj_k, proj_factored in todo:
             if time.perf_counter() - start > args.budget_s:
                 row = {"workload": w, "method": method, "n_train": args.train,
                        "n_query": args.query, "chunk": args.chunk or cfgs[w]["chunk"],
                        "error": f"skipped: time budget (--budget-s {args.budget_s:g}) spent"}
                 if proj_k is not None:
-                    row["proj_k"] = proj_k
+                    row["proj_k"], row["proj_factored"] = proj_k, proj_factored
             else:
-                row = run_row(w, method, cfgs[w], device, args, notes, scores, proj_k)
+                row = run_row(w, method, cfgs[w], device, args, notes, scores, proj_k,
+                              proj_factored)
                 _free(device)
             rows.append(row)
             compare(rows, w, scores)
@@ -867,6 +894,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="torchfn-projected: projected size per side of each linear map "
                              f"(Projection(k=...); default {DEFAULT_PROJ_K}); a comma-separated "
                              "list gives one row per k")
+    parser.add_argument("--proj-factored", choices=("on", "off", "both"), default="on",
+                        help="torchfn-projected: keep linear maps applied once per sample (or "
+                             "at few positions) exact as factors (Projection(factored=True); "
+                             "default on), project them too (off), or one row each (both)")
     parser.add_argument("--tiny", action="store_true", help="tiny models and sizes (CPU smoke)")
     parser.add_argument("--no-check", action="store_true", help="skip the float64 check")
     parser.add_argument("--budget-s", type=float, default=480.0,
@@ -882,6 +913,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         raise SystemExit(f"--proj-k {args.proj_k}: expected positive ints, comma-separated "
                          "(e.g. 32 or 32,64,128)") from None
+    args.proj_factored = {"on": [True], "off": [False], "both": [False, True]}[args.proj_factored]
     args.train = args.train or (40 if args.tiny else 10_000)
     args.query = args.query or (8 if args.tiny else 1000)
     args.repeats = args.repeats or (2 if args.tiny else 5)

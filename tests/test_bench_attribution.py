@@ -50,6 +50,8 @@ def test_tiny_run_every_row_and_scores_agree(tmp_path: Path):
         p = rows[w, "torchfn-projected"]
         assert "error" not in p, p
         assert p["proj_k"] == mod.DEFAULT_PROJ_K and p["features"] > 0 and p["exact_row"] == "torchfn-ghost"
+        assert p["proj_factored"] is True and p["factored_features"] > 0
+        assert p["features"] == p["projected_features"] + p["factored_features"]
         assert 0 <= p["top_m_overlap"] <= 1 and p["top_m"] == 4 and -1 <= p["spearman"] <= 1
         assert p["rel_fro_err"] < 1 and p["speedup_vs_materialized"] > 0
         assert p["stored_train_median_s"] > 0 and p["train_features_s"] > 0
@@ -86,12 +88,24 @@ def test_projected_row_with_k_above_every_dimension_is_exact(tmp_path: Path):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     assert _load().main(["--tiny", "--device", "cpu", "--repeats", "1", "--warmup", "1",
                          "--methods", "materialized,torchfn-projected", "--proj-k", "4,100000",
-                         "--json", str(out), "--md", str(md)]) == 0
+                         "--proj-factored", "both", "--json", str(out), "--md", str(md)]) == 0
     rows = json.loads(out.read_text())["results"]
     for w in ("cnn", "transformer"):
-        small, p = (r for r in rows if r["workload"] == w and r["method"] == "torchfn-projected")
-        assert small["proj_k"] == 4 and small["max_rel_diff_vs_exact"] > 1e-3, small
-        assert p["proj_k"] == 100000 and p["features"] == p["params"], p
-        assert p["exact_row"] == "materialized" and p["max_rel_diff_vs_exact"] < 1e-4, p
-        assert p["spearman"] > 0.999 and p["top_m_overlap"] == 1, p
+        small_off, small, off, p = (r for r in rows if r["workload"] == w
+                                    and r["method"] == "torchfn-projected")
+        assert [r["proj_factored"] for r in (small_off, small, off, p)] == [False, True] * 2
+        for r in (small_off, small):
+            assert r["proj_k"] == 4 and r["max_rel_diff_vs_exact"] > 1e-3, r
+        # every map projected by the identity: one feature per parameter
+        assert off["factored_features"] == 0 and off["features"] == off["params"], off
+        assert small_off["factored_maps"] == {} and small["factored_maps"], small
+        for r in (off, p):
+            assert r["proj_k"] == 100000 and r["exact_row"] == "materialized", r
+            assert r["max_rel_diff_vs_exact"] < 1e-4, r
+            assert r["spearman"] > 0.999 and r["top_m_overlap"] == 1, r
+        # the rank-one dense layers are stored as d_in + 1 + d_out numbers, not d_out (d_in + 1)
+        assert p["features"] < p["params"] and p["factored_features"] > 0, p
+    cnn = next(r for r in rows if r["workload"] == "cnn" and r.get("proj_k") == 4
+               and r["proj_factored"])
+    assert cnn["factored_maps"] == {"fc1#0": "393+16", "fc2#0": "17+10"}, cnn
     assert "| cnn | 6,794 | torchfn-projected | 16 |" in md.read_text()

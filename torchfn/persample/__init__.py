@@ -16,6 +16,7 @@ from torchfn.persample._accountant_prv import PRVEpsilon as PRVEpsilon
 from torchfn.persample._accountant_prv import prv_epsilon as prv_epsilon
 from torchfn.persample._attribution import grad_inner_products as grad_inner_products
 from torchfn.persample._attribution import project_grads as project_grads
+from torchfn.persample._attribution import projected_scores as projected_scores
 from torchfn.persample._attribution import tracin_scores as tracin_scores
 from torchfn.persample._dp_clipping import AdaptiveClipping as AdaptiveClipping
 from torchfn.persample._dp_clipping import (
@@ -53,6 +54,7 @@ from torchfn.persample._ihvp import IHVPResult as IHVPResult
 from torchfn.persample._ihvp import inverse_hvp as inverse_hvp
 from torchfn.persample._influence import influence_scores as influence_scores
 from torchfn.persample._influence import self_influence as self_influence
+from torchfn.persample._projection import ProjectedGrads as ProjectedGrads
 from torchfn.persample._projection import Projection as Projection
 
 __all__ = [
@@ -75,6 +77,7 @@ __all__ = [
     "PRVAccountant",
     "PRVEpsilon",
     "PoissonSampler",
+    "ProjectedGrads",
     "Projection",
     "RDPAccountant",
     "adaptive_grad_noise_multiplier",
@@ -95,6 +98,7 @@ __all__ = [
     "noise_multiplier_for_epsilon",
     "pld_epsilon",
     "project_grads",
+    "projected_scores",
     "prv_epsilon",
     "rdp_to_epsilon",
     "run_chunks",

@@ -9,9 +9,16 @@ import torch
 from torch import Tensor
 
 from torchfn.persample._ghost_norms import GhostModel
-from torchfn.persample._projection import Projection, Projector, feature_inner, layer_features
+from torchfn.persample._projection import (
+    FactorDict,
+    ProjectedGrads,
+    Projection,
+    Projector,
+    feature_inner,
+    layer_features,
+)
 
-__all__ = ["grad_inner_products", "project_grads", "tracin_scores"]
+__all__ = ["grad_inner_products", "project_grads", "projected_scores", "tracin_scores"]
 
 TensorDict = dict[str, Tensor]
 LossFn = Callable[[Any, Any], Tensor]
@@ -76,55 +83,81 @@ def _chunks(inputs: Any, targets: Any, n: int | None, chunk_size: int | None
 
 def _features(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tensor],
               buffers: Mapping[str, Tensor], inputs: Any, targets: Any,
-              proj: Projector) -> tuple[TensorDict, Tensor]:
-    """One ghost pass: ``({layer: (B, K_layer)}, losses)``."""
+              proj: Projector) -> tuple[ProjectedGrads, Tensor]:
+    """One ghost pass: ``(features, losses)``, ``projected`` per layer."""
     res = ghost.per_sample(params, buffers, inputs, targets, loss_fn)
-    return layer_features(res.grads, proj), res.losses.detach()
+    feats, factored = layer_features(res.grads, proj)
+    return ProjectedGrads(feats, factored, proj.projection), res.losses.detach()
 
 
 def project_grads(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tensor],
                   buffers: Mapping[str, Tensor], inputs: Any, targets: Any, *,
                   projection: Projection, per_layer: bool = False,
-                  chunk_size: int | None = None) -> Tensor | TensorDict:
-    """Return ``(N, K)``: every sample's gradient under a seeded random projection, so that
-    ``project_grads(train) @ project_grads(query).T`` approximates the ``(N_train, N_query)``
-    matrix of :func:`grad_inner_products`.
+                  chunk_size: int | None = None) -> ProjectedGrads:
+    """Return a :class:`ProjectedGrads`: every sample's gradient as features -- a seeded random
+    projection ``projected`` ``(N, K)`` plus the exact factors ``factored`` of the linear
+    maps applied once per sample --, so that ``projected_scores(project_grads(train),
+    project_grads(query))`` approximates the ``(N_train, N_query)`` matrix of
+    :func:`grad_inner_products`.
 
     An approximation (TRAK, LoGra): ``E[<f_i, f_j>] = <grad l_i, grad l_j>`` over the
     projection's randomness, the error shrinking as ``projection.k`` grows (measured against
     the exact scores in ``benchmarks/attribution.py``). Per layer, from one ghost pass
-    (:meth:`GhostModel.per_sample`; no per-sample gradient of a linear map is formed): every
-    linear map (linear, conv on the unfold route, attention projections, recurrent weights)
-    gets the Kronecker-structured projection ``P_out^T [G_i | b_i] P_in = sum_t (g_it
-    P_out)^T (a_it P_in)`` from its recorded inputs ``a`` and output gradients ``g``
-    (``(k_out, k_in)``, ``k_* = min(k, d_*)``: a side no larger than ``k`` is exact; the bias
-    is an input column of ones); an embedding ``sum_t P_V[id_it]^T (g_it P_D)``; every other
-    layer (norms, vmap-fallback and direct layers, ``conv_method="grouped"`` convs) and every
-    group of layers tied by a parameter has its per-sample gradients materialised and
-    multiplied by a dense random ``(P_layer, k^2)`` matrix, or kept exactly when it has at
-    most ``k^2`` parameters (see :mod:`torchfn.persample._projection`). The projection
-    depends on ``projection.seed`` and the layer names only: features computed in separate
-    calls (train once, stored; queries later) and on CPU or CUDA are consistent.
+    (:meth:`GhostModel.per_sample`; no per-sample gradient of a linear map is formed):
+
+    - a linear map applied once per sample (a dense layer on ``(B, d_in)`` inputs: its
+      per-sample gradient ``g_i^T a_i`` is rank one), or at few positions (``T^2 (d_in + 1 +
+      d_out) <= k_in k_out``, the projected size below), is kept *exact*
+      (``Projection(factored=True)``, the default): its inputs ``a`` (with a column of ones
+      for the bias) and output gradients ``g`` are stored in ``factored`` and scored
+      ``<G_i, G_j> = (a_i . a_j)(g_i . g_j)`` (summed over position pairs when ``T > 1``);
+    - every other linear map (linear, conv on the unfold route, attention projections,
+      recurrent weights) gets the Kronecker-structured projection ``P_out^T [G_i | b_i] P_in
+      = sum_t (g_it P_out)^T (a_it P_in)`` from ``a`` and ``g`` (``(k_out, k_in)``, ``k_* =
+      min(k, d_*)``: a side no larger than ``k`` is exact; the bias is an input column of
+      ones);
+    - an embedding ``sum_t P_V[id_it]^T (g_it P_D)``;
+    - every other layer (norms, vmap-fallback and direct layers, ``conv_method="grouped"``
+      convs) and every group of layers tied by a parameter has its per-sample gradients
+      materialised and multiplied by a dense random ``(P_layer, k^2)`` matrix, or kept
+      exactly when it has at most ``k^2`` parameters
+
+    (see :mod:`torchfn.persample._projection`). The projection depends on
+    ``projection.seed`` and the layer names only: features computed in separate calls (train
+    once, stored; queries later) and on CPU or CUDA are consistent. Which maps are factored
+    depends on ``T`` as well: score feature sets with the same positions per sample (or
+    ``factored=False``).
 
     ``chunk_size``: samples per ghost pass (``None``: all at once); every tensor of
-    ``inputs``/``targets`` is cut along dim 0. ``per_layer=True`` returns ``{layer: (N,
-    K_layer)}`` (a tied group under its first layer) whose concatenation, in
-    ``ghost.layer_names`` order, is the ``(N, K)`` matrix. The features have the dtype of the
-    per-sample losses. Frozen parameters do not count.
+    ``inputs``/``targets`` is cut along dim 0. ``per_layer=True``: ``projected`` is
+    ``{layer: (N, K_layer)}`` (a tied group under its first layer; ``(N, 0)`` for a layer
+    wholly factored) whose concatenation, in ``ghost.layer_names`` order, is the ``(N, K)``
+    matrix. The features have the dtype of the per-sample losses. Frozen parameters do not
+    count.
 
     Example::
 
         >>> import torch
         >>> import torch.nn.functional as F
         >>> from torch import nn
-        >>> from torchfn.persample import Projection, make_ghost_model, project_grads
+        >>> from torchfn.persample import (Projection, make_ghost_model, project_grads,
+        ...                                projected_scores)
         >>> ghost, params, buffers = make_ghost_model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(),
         ...                                                         nn.Linear(32, 3)))
         >>> loss_fn = lambda out, y: F.cross_entropy(out, y, reduction="none")
         >>> xs, ys = torch.randn(6, 16), torch.randint(0, 3, (6,))
-        >>> feats = project_grads(ghost, loss_fn, params, buffers, xs, ys,
-        ...                       projection=Projection(k=8, seed=0))
-        >>> feats.shape  # (8 x 8) + (3 x 21) features: the head keeps its 3 outputs exactly
+        >>> proj = Projection(k=8, seed=0)
+        >>> feats = project_grads(ghost, loss_fn, params, buffers, xs, ys, projection=proj)
+        >>> sorted(feats.factored), feats.projected.shape  # both rank one: kept exact
+        (['0#0', '2#0'], torch.Size([6, 0]))
+        >>> a, g = feats.factored["0#0"]  # inputs with a ones column, output gradients
+        >>> a.shape, g.shape
+        (torch.Size([6, 17]), torch.Size([6, 32]))
+        >>> projected_scores(feats, feats).shape
+        torch.Size([6, 6])
+        >>> off = project_grads(ghost, loss_fn, params, buffers, xs, ys,
+        ...                     projection=Projection(k=8, seed=0, factored=False))
+        >>> off.projected.shape  # (8 x 8) + (3 x 21) projected features
         torch.Size([6, 127])
     """
     where = "project_grads"
@@ -138,20 +171,67 @@ def project_grads(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Tenso
     proj = Projector(projection)
     parts = [_features(ghost, loss_fn, params, buffers, x, y, proj)[0]
              for x, y in _chunks(inputs, targets, n, chunk_size)]
-    names = [k for k in ghost.layer_names if k in parts[0]]
+    first = parts[0]
+    assert isinstance(first.projected, dict)
+    names = [k for k in ghost.layer_names if k in first.projected]
     for p in parts:
-        if list(p) != names:
-            raise ValueError(f"{where}: the layers called differ between chunks ({list(p)} vs "
-                             f"{names}); pass chunk_size=None")
-    out = _concat(parts)  # type: ignore[arg-type]
+        assert isinstance(p.projected, dict)
+        if list(p.projected) != names or list(p.factored) != list(first.factored):
+            raise ValueError(f"{where}: the layers called (or kept factored) differ between "
+                             f"chunks ({list(p.projected)} vs {names}); pass chunk_size=None")
+    out: TensorDict = _concat([p.projected for p in parts])  # type: ignore[assignment]
+    factored: FactorDict = {
+        k: (torch.cat([p.factored[k][0] for p in parts], 0),
+            torch.cat([p.factored[k][1] for p in parts], 0)) for k in first.factored}
     if per_layer:
-        return out
+        return ProjectedGrads(out, factored, projection)
     missing = [k for k in ghost.layer_names if k not in out and not _tied_member(ghost, k)]
     if missing:
         raise ValueError(f"{where}: layers {missing} were not called on these inputs, so their "
                          "features have no fixed place in the (N, K) matrix; pass "
                          "per_layer=True and match layers by name")
-    return torch.cat([out[k] for k in names], 1)  # type: ignore[index]
+    return ProjectedGrads(torch.cat([out[k] for k in names], 1), factored, projection)
+
+
+def projected_scores(train: ProjectedGrads, query: ProjectedGrads, *,
+                     per_layer: bool = False) -> Tensor | TensorDict:
+    """Return ``(N_train, N_query)``: the approximate scores ``<f_i, f_j>`` of two feature sets
+    from :func:`project_grads` (same :class:`Projection`): ``train.projected @
+    query.projected.T`` plus, per linear part kept factored, its exact ``<G_i, G_j> = (A_train
+    A_query^T) * (G_train G_query^T)`` (summed over position pairs when ``T > 1``).
+    ``per_layer=True`` (both from ``project_grads(..., per_layer=True)``): ``{layer:
+    (N_train, N_query)}`` summing to the total, zeros for a layer seen in one set only.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> from torchfn.persample import (Projection, make_ghost_model, project_grads,
+        ...                                projected_scores)
+        >>> ghost, params, buffers = make_ghost_model(nn.Linear(4, 3))
+        >>> loss_fn = lambda out, y: F.cross_entropy(out, y, reduction="none")
+        >>> proj = Projection(k=2, seed=0)
+        >>> train = project_grads(ghost, loss_fn, params, buffers, torch.randn(6, 4),
+        ...                       torch.randint(0, 3, (6,)), projection=proj)
+        >>> query = project_grads(ghost, loss_fn, params, buffers, torch.randn(2, 4),
+        ...                       torch.randint(0, 3, (2,)), projection=proj)
+        >>> projected_scores(train, query).shape
+        torch.Size([6, 2])
+    """
+    where = "projected_scores"
+    for what, v in (("train", train), ("query", query)):
+        if not isinstance(v, ProjectedGrads):
+            raise TypeError(f"{where}({what}=...): expected the ProjectedGrads of "
+                            f"project_grads, got {type(v).__name__}")
+    like = _first(train).new_zeros(())
+    like = like.to(torch.promote_types(like.dtype, _first(query).dtype))
+    return feature_inner(train, query, None, like, per_layer, where)
+
+
+def _first(f: ProjectedGrads) -> Tensor:
+    p = f.projected
+    return next(iter(p.values())) if isinstance(p, dict) else p
 
 
 def _tied_member(ghost: GhostModel, name: str) -> bool:
@@ -171,7 +251,7 @@ def _projected_inner(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str, Te
         ft, lt = _features(ghost, loss_fn, params, buffers, x, y, proj)
         like = lt.new_zeros(()).to(torch.promote_types(lt.dtype, lq.dtype))
         parts.append(feature_inner(ft, fq, ghost.layer_names, like, per_layer,
-                                   lt.shape[0], lq.shape[0]))
+                                   "grad_inner_products"))
     return _concat(parts)
 
 
@@ -199,12 +279,13 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
     attribution.
 
     ``projection``: a :class:`Projection` turns the exact scores into an *approximation*:
-    ``project_grads(train) @ project_grads(query).T`` (:func:`project_grads`: per linear map a
-    Kronecker-structured random projection formed from the recorded activations and output
-    gradients, TRAK/LoGra style), unbiased over the projection's randomness, with an error
-    that shrinks as ``projection.k`` grows (``benchmarks/attribution.py`` measures it against
-    the exact scores: relative error, rank correlation, top-m overlap). To score many query
-    sets against one train set, store ``project_grads(train)`` once instead.
+    ``projected_scores(project_grads(train), project_grads(query))`` (:func:`project_grads`:
+    per linear map a Kronecker-structured random projection formed from the recorded
+    activations and output gradients, TRAK/LoGra style; maps applied once per sample kept
+    exact as their factors), unbiased over the projection's randomness, with an error that
+    shrinks as ``projection.k`` grows (``benchmarks/attribution.py`` measures it against the
+    exact scores: relative error, rank correlation, top-m overlap). To score many query sets
+    against one train set, store ``project_grads(train)`` once instead.
 
     Example::
 

@@ -11,12 +11,24 @@ is formed from the projected inputs and output gradients, never from ``G_i``: pe
 ``T (d_in k_in + d_out k_out + k_in k_out)`` multiply-adds instead of ``T d_in d_out``. With
 ``P`` entries i.i.d. of mean 0 and variance ``1/k`` (Rademacher ``+-1/sqrt(k)`` or Gaussian),
 ``E[P P^T] = I``, so ``<proj_i, proj_j>`` is an unbiased estimate of ``<G_i, G_j>`` whose
-variance shrinks as ``k_in k_out`` grows; scores become ``train_feats @ query_feats.T``.
+variance shrinks as ``k_in k_out`` grows; scores become ``train_feats @ query_feats.T``
+plus the exact products of the maps kept factored (below; :class:`ProjectedGrads`,
+:func:`~torchfn.persample.projected_scores`).
 
 Per layer (what :func:`layer_features` does, ``k`` the :class:`Projection`'s size per side):
 
-- linear maps (``nn.Linear``, HF ``Conv1D``, convs on the unfold route -- grouped convs per
-  group, one ``P_in``/``P_out`` shared by the groups --, the four projections of
+- linear maps kept *factored* (:func:`is_factored`; ``Projection(factored=True)``, the
+  default): a map applied once per sample (``T = 1``: ``G_i = g_i^T a_i`` is rank one), or
+  one whose exact pair score costs no more than its projected one (``T^2 (d_in + 1 + d_out)
+  <= k_in k_out``, per group) is not projected: its factors ``a`` (``(B, d_in + 1)`` with
+  a bias, the ones column appended; ``(B, T, groups, d_in [+ 1])`` when ``T > 1`` or
+  grouped) and ``g`` (``(B, d_out)``; ``(B, T, groups, d_out)``) are stored and the pair
+  score is the exact ghost product ``<G_i, G_j> = sum_{t,s} (a_it . a_js)(g_it . g_js)``
+  (``T = 1``: ``(A_x A_y^T) * (G_x G_y^T)``, two GEMMs and an elementwise product;
+  :func:`factored_inner`). A dense head ``Linear(3136, 128)`` is so kept exactly with
+  ``3136 + 1 + 128`` numbers per sample instead of ``k^2`` noisy ones;
+- other linear maps (``nn.Linear``, HF ``Conv1D``, convs on the unfold route -- grouped convs
+  per group, one ``P_in``/``P_out`` shared by the groups --, the four projections of
   ``nn.MultiheadAttention``, the weights of torchfn's recurrent layers): the form above. A
   bias is the gradient of an extra input column of ones: ``[G_i | b_i]`` ``(d_out, d_in +
   1)`` is projected, ``P_in`` having ``d_in + 1`` rows. Sizes (:func:`side_sizes`): ``k``
@@ -42,6 +54,7 @@ import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,10 +62,11 @@ from torch import Tensor
 from torchfn.persample._ghost_grads import GhostGrads
 from torchfn.persample._ghost_layers import Prepared, _EmbeddingGrads, _LinearLike
 
-__all__ = ["Projection", "Projector", "dense_matrix", "layer_features", "side_matrix",
-           "side_sizes"]
+__all__ = ["ProjectedGrads", "Projection", "Projector", "dense_matrix", "factored_inner",
+           "is_factored", "layer_features", "side_matrix", "side_sizes"]
 
 TensorDict = dict[str, Tensor]
+FactorDict = dict[str, tuple[Tensor, Tensor]]
 KINDS = ("rademacher", "gaussian")
 _DENSE_BLOCK = 1 << 22  # elements of one generated row block of a dense projection
 _DENSE_CACHE = 1 << 24  # dense projections up to this many elements are kept between chunks
@@ -67,17 +81,21 @@ class Projection:
     ``k^2`` (kept exactly when it has at most ``k^2`` parameters). ``seed``: an int in ``[0,
     2^63)``; the same seed gives the same projection on every device and in every call.
     ``kind``: ``"rademacher"`` (entries ``+-1/sqrt(k)``) or ``"gaussian"`` (``N(0, 1/k)``).
+    ``factored``: keep the linear maps of :func:`is_factored` (applied once per sample, or
+    few positions) exact, stored as their factors ``a``/``g`` instead of projected (see
+    :class:`ProjectedGrads`); ``False``: project every linear map.
 
     Example::
 
         >>> from torchfn.persample import Projection
         >>> Projection(k=32, seed=0)
-        Projection(k=32, seed=0, kind='rademacher')
+        Projection(k=32, seed=0, kind='rademacher', factored=True)
     """
 
     k: int
     seed: int = 0
     kind: str = "rademacher"
+    factored: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -88,6 +106,45 @@ class Projection:
             raise ValueError(f"Projection(seed={self.seed!r}): expected an int in [0, 2**63)")
         if self.kind not in KINDS:
             raise ValueError(f"Projection(kind={self.kind!r}): expected one of {KINDS}")
+        if not isinstance(self.factored, bool):
+            raise ValueError(f"Projection(factored={self.factored!r}): expected a bool (keep "
+                             "rank-one / few-position linear maps exact as factors)")
+
+
+def is_factored(projection: Projection, t: int, d_in: int, d_out: int) -> bool:
+    """Whether a linear map (per group: ``d_in`` inputs, the bias's ones column included,
+    ``d_out`` outputs, ``t`` positions per sample) is kept exact as factors: with
+    ``projection.factored``, when ``t == 1`` (rank one per sample: ``d_in + d_out`` numbers,
+    a pair score two dot products, exact whatever ``k``) or when the exact pair score's ``t^2
+    (d_in + d_out)`` multiply-adds are at most the ``k_in k_out`` of the projected one
+    (:func:`side_sizes`; then the factors' ``t (d_in + d_out)`` numbers are fewer than its
+    features too). A map whose projection is the identity on both sides is exact either way
+    and factored only when that is cheaper."""
+    if not projection.factored:
+        return False
+    if t == 1:
+        return True
+    k_in, k_out = side_sizes(projection.k, d_in, d_out)
+    return t * t * (d_in + d_out) <= k_in * k_out
+
+
+def factored_inner(ax: Tensor, gx: Tensor, ay: Tensor, gy: Tensor) -> Tensor:
+    """Return ``(N, M)``: ``<G_i, G_j> = sum_groups sum_{t,s} (a_it . a_js)(g_it . g_js)``
+    between the factors of two sample sets: ``a`` ``(N, d_in)`` / ``g`` ``(N, d_out)``
+    (``T = 1``, one group: ``(A_x A_y^T) * (G_x G_y^T)``) or ``(N, T, groups, d_*)`` (then
+    one GEMM pair per position and group of ``x``, ``(N, M, S)`` at a time)."""
+    if ax.dim() == 2 and ay.dim() == 2:
+        return (ax @ ay.T) * (gx @ gy.T)
+    ax, gx, ay, gy = (v[:, None, None] if v.dim() == 2 else v for v in (ax, gx, ay, gy))
+    n, t, ng = ax.shape[:3]
+    m, s = ay.shape[:2]
+    out = ax.new_zeros(n, m)
+    for g in range(ng):
+        ya = ay[:, :, g].reshape(m * s, -1).T
+        yg = gy[:, :, g].reshape(m * s, -1).T
+        for i in range(t):
+            out += ((ax[:, i, g] @ ya) * (gx[:, i, g] @ yg)).reshape(n, m, s).sum(2)
+    return out
 
 
 def _key_seed(seed: int, key: str) -> int:
@@ -186,6 +243,20 @@ class Projector:
         return out
 
 
+def _factors(p: _LinearLike, proj: Projector) -> tuple[Tensor, Tensor] | None:
+    """``(a, g)`` of a linear part kept factored (:func:`is_factored`), the bias's ones column
+    appended to ``a``: ``(B, d_in [+ 1])``/``(B, d_out)`` for ``T = 1`` and one group, else
+    ``(B, T, groups, *)``; ``None`` for a part to project."""
+    a, g = p._grouped()  # (B, T, G, k), (B, T, G, o)
+    if not is_factored(proj.projection, a.shape[1], a.shape[-1] + int(p.bias), g.shape[-1]):
+        return None
+    if p.bias:
+        a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1)
+    if a.shape[1] == 1 and a.shape[2] == 1:
+        return a[:, 0, 0], g[:, 0, 0]
+    return a, g
+
+
 def _linear(p: _LinearLike, key: str, proj: Projector) -> Tensor:
     """``(B, groups * k_out * k_in)``: ``P_out^T [G_i | b_i] P_in`` per group, from ``a``/``g``
     (a side kept exactly is not multiplied by its identity)."""
@@ -224,22 +295,36 @@ def _flat(grads: TensorDict) -> Tensor:
     return torch.cat([grads[n].reshape(b, -1).to(dtype) for n in names], 1)
 
 
-def _layer(p: Prepared, name: str, proj: Projector) -> Tensor:
+def _layer(p: Prepared, name: str, proj: Projector, factored: FactorDict) -> Tensor:
+    """``(B, K_layer)``: the layer's projected features (``(B, 0)`` when every part is kept
+    factored); its factored parts go to ``factored["{name}#{part}"]``."""
     if isinstance(p, _EmbeddingGrads):
         return _embedding(p, f"{name}#0", proj)
     parts = p.linear_parts()
     if parts is not None:
-        return torch.cat([_linear(q, f"{name}#{i}", proj) for i, q in enumerate(parts)], 1)
+        feats = []
+        for i, q in enumerate(parts):
+            f = _factors(q, proj)
+            if f is None:
+                feats.append(_linear(q, f"{name}#{i}", proj))
+            else:
+                factored[f"{name}#{i}"] = f
+        if not feats:
+            return q.g.new_zeros(q.g.shape[0], 0)
+        return torch.cat(feats, 1)
     return proj.dense(_flat(p.materialize()), f"{name}/dense")
 
 
-def layer_features(grads: GhostGrads, proj: Projector) -> TensorDict:
-    """Return ``{layer: (B, K_layer)}``: the projected per-sample gradients of every layer
-    called in this batch (a group of layers tied by a shared parameter under its first layer;
-    the others absent), in the dtype of the per-sample losses."""
+def layer_features(grads: GhostGrads, proj: Projector) -> tuple[TensorDict, FactorDict]:
+    """Return ``({layer: (B, K_layer)}, {"layer#part": (a, g)})``: the projected per-sample
+    gradients of every layer called in this batch (a group of layers tied by a shared
+    parameter under its first layer; the others absent; ``(B, 0)`` for a layer whose parts
+    are all factored) and the factors of the linear parts kept exact (:func:`is_factored`),
+    all in the dtype of the per-sample losses."""
     spec, group, layers = grads._spec, grads._group, grads._layers
     dtype = grads._like.dtype
     out: TensorDict = {}
+    factored: FactorDict = {}
     for name in spec:
         head = group[name]
         members = [n for n in spec if group[n] == head]
@@ -250,16 +335,81 @@ def layer_features(grads: GhostGrads, proj: Projector) -> TensorDict:
                     out[head] = proj.dense(_flat(union), f"{head}/dense").to(dtype)
             continue
         if name in layers:
-            out[name] = _layer(layers[name], name, proj).to(dtype)
-    return out
+            out[name] = _layer(layers[name], name, proj, factored).to(dtype)
+    return out, {k: (a.to(dtype), g.to(dtype)) for k, (a, g) in factored.items()}
 
 
-def feature_inner(fx: TensorDict, fy: TensorDict, names: tuple[str, ...], like: Tensor,
-                  per_layer: bool, n_x: int, n_y: int) -> Tensor | TensorDict:
-    """``(B1, B2)`` (or ``{layer: (B1, B2)}`` over ``names``, zeros where a layer has no
-    features in one of the batches): ``sum_layers fx[l] @ fy[l].T``."""
-    zeros = like.new_zeros(n_x, n_y)
-    out = {n: (fx[n] @ fy[n].T if n in fx and n in fy else zeros) for n in names}
+def part_layer(key: str) -> str:
+    """The layer of a factored part's key ``"{layer}#{part}"``."""
+    return key.rpartition("#")[0]
+
+
+class ProjectedGrads(NamedTuple):
+    """Per-sample gradient features from :func:`~torchfn.persample.project_grads`: store them
+    once for a train set, score query sets with :func:`~torchfn.persample.projected_scores`.
+
+    ``projected``: ``(N, K)`` random projections (every projected layer's block, in
+    ``ghost.layer_names`` order), or ``{layer: (N, K_layer)}`` with ``per_layer=True``
+    (``(N, 0)`` for a layer kept wholly factored). ``factored``: ``{"{layer}#{part}": (a,
+    g)}``, the exact factors of the linear maps :func:`is_factored` keeps (part: the index in
+    the layer's linear parts, 0 for a plain linear or conv): ``a`` ``(N, d_in + 1)`` (the
+    inputs and, with a bias, a column of ones) and ``g`` ``(N, d_out)`` (the output
+    gradients) for a map applied once per sample; ``(N, T, groups, *)`` for few positions or
+    grouped. ``projection``: the :class:`Projection` they were made with. The score of a
+    pair is ``<proj_i, proj_j> + sum_parts <G_i, G_j>`` (:func:`factored_inner`).
+    """
+
+    projected: Tensor | TensorDict
+    factored: FactorDict
+    projection: Projection
+
+    @property
+    def num_features(self) -> int:
+        """Numbers stored per sample: projected features plus the factors."""
+        p = self.projected
+        k = sum(v.shape[1] for v in p.values()) if isinstance(p, dict) else p.shape[1]
+        return int(k + sum(a[0].numel() + g[0].numel() for a, g in self.factored.values()))
+
+
+def feature_inner(fx: ProjectedGrads, fy: ProjectedGrads, names: tuple[str, ...] | None,
+                  like: Tensor, per_layer: bool, where: str) -> Tensor | TensorDict:
+    """``(N, M)``: ``fx.projected @ fy.projected.T`` plus every factored part's exact product;
+    ``per_layer`` (both ``projected`` dicts): ``{layer: (N, M)}`` over ``names`` (or every
+    layer seen), zeros where a layer has no features in one of the sets."""
+    if fx.projection != fy.projection:
+        raise ValueError(f"{where}: the two feature sets were made with different projections "
+                         f"({fx.projection} vs {fy.projection}); compute both with one")
+    if set(fx.factored) != set(fy.factored):
+        diff = sorted(set(fx.factored) ^ set(fy.factored))
+        raise ValueError(f"{where}: linear parts {diff} are kept factored in one feature set "
+                         "and projected in the other (the rule depends on the positions T per "
+                         "sample: different sequence lengths?); pass Projection(..., "
+                         "factored=False) for both")
+    px, py = fx.projected, fy.projected
+    if isinstance(px, dict) != isinstance(py, dict):
+        raise ValueError(f"{where}: one feature set is per layer (per_layer=True) and the "
+                         "other is not; compute both the same way")
+    if not isinstance(px, dict):
+        if per_layer:
+            raise ValueError(f"{where}(per_layer=True): needs features from "
+                             "project_grads(..., per_layer=True)")
+        assert isinstance(py, Tensor)
+        if px.shape[1] != py.shape[1]:
+            raise ValueError(f"{where}: {px.shape[1]} projected features in one set but "
+                             f"{py.shape[1]} in the other (different models or layers called)")
+    fac = {k: factored_inner(*fx.factored[k], *fy.factored[k]) for k in fx.factored}
+    if not isinstance(px, dict):
+        total = px @ py.T  # type: ignore[union-attr]
+        for v in fac.values():
+            total = total + v
+        return total
+    assert isinstance(py, dict)
+    zeros = like.new_zeros(next(iter(px.values())).shape[0], next(iter(py.values())).shape[0])
+    if names is None:
+        names = tuple(dict.fromkeys([*px, *py, *(part_layer(k) for k in fac)]))
+    out = {n: (px[n] @ py[n].T if n in px and n in py else zeros) for n in names}
+    for k, v in fac.items():
+        out[part_layer(k)] = out[part_layer(k)] + v
     if per_layer:
         return out
     total = zeros
