@@ -59,6 +59,88 @@ def _part(name: str) -> contextlib.AbstractContextManager[Any]:
     return torch.profiler.record_function(name)
 
 
+# Off only to compare the multi-tensor fast paths with the per-leaf loops they replace (tests,
+# benchmarks/optim_overhead.py); never needed for correctness.
+_USE_FOREACH = True
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _foreach_ok(*lists: Any) -> bool:
+    """Whether ``torch._foreach_*`` multi-tensor ops may replace a per-leaf loop of the same
+    single-tensor ops over the tensors in ``lists`` (each a sequence of tensors).
+
+    True only in eager mode (not while compiling: a compiled step fuses the loop itself),
+    outside every ``torch.func`` transform (the foreach ops have no batching or functorch
+    grad rules) and when no tensor is tracked by autograd (grad mode on and
+    ``requires_grad``: meta-learning differentiates through an update with
+    ``create_graph=True`` or ``torch.func.grad``), and when every item is a plain dense strided
+    tensor (``Tensor`` or ``Parameter``: no ``None``, subclass such as ``DTensor``, sparse,
+    nested, quantized or functorch-wrapped tensor). The foreach ops then compute exactly what
+    the per-leaf loop computes: on CPU they run that loop in C++; on CUDA one kernel per
+    (device, dtype) group where shapes allow, which callers group for.
+    """
+    if not _USE_FOREACH or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    grad_on = torch.is_grad_enabled()
+    for ts in lists:
+        for t in ts:
+            if (type(t) not in _PLAIN or t.layout is not torch.strided or t.is_nested
+                    or t.is_quantized or (grad_on and t.requires_grad) or wrapped(t)):
+                return False
+    return True
+
+
+def _foreach_map(fn: Any, lists: Any, scalars: Any = ()) -> tuple[list[Any], ...] | None:
+    """Run a multi-tensor ``fn`` once per (device, dtypes) group of leaves, or return ``None``.
+
+    ``lists`` are equally long sequences of tensors whose ``i``-th items have one shape;
+    ``scalars`` are sequences of 0-d tensors, one per leaf. ``fn(*group_lists, *group_scalars)``
+    gets the items of one group (one device, one dtype per list: one kernel each on CUDA) and
+    returns a tuple of output lists; the result scatters them back into leaf order. ``None``
+    (the caller then runs its per-leaf loop) unless :func:`_foreach_ok` holds and each leaf's
+    items agree in shape and device.
+    """
+    every = (*lists, *scalars)
+    if not every or not _foreach_ok(*every):
+        return None
+    n = len(every[0])
+    if n == 0 or any(len(ts) != n for ts in every):
+        return None
+    firsts = every[0]
+    for ts in lists[1:]:
+        for a, b in zip(firsts, ts, strict=True):
+            if a.shape != b.shape:
+                return None
+    for ts in every[1:]:
+        for a, b in zip(firsts, ts, strict=True):
+            if a.device != b.device:
+                return None
+    for ts in scalars:
+        for t in ts:
+            if t.ndim != 0:
+                return None
+    keys = zip([t.device for t in firsts], *([t.dtype for t in ts] for ts in every), strict=True)
+    groups: dict[Any, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    if len(groups) == 1:
+        return tuple(list(r) for r in fn(*every))
+    out: list[list[Any]] | None = None
+    for idx in groups.values():
+        res = fn(*([ts[i] for i in idx] for ts in every))
+        if out is None:
+            out = [[None] * n for _ in res]
+        for full, part in zip(out, res, strict=True):
+            for i, r in zip(idx, part, strict=True):
+                full[i] = r
+    assert out is not None
+    return tuple(out)
+
+
 def _check_rank(world_size: int, rank: int, owner: str) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{owner}(world_size={world_size!r}): expected an int >= 1")

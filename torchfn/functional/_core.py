@@ -31,7 +31,7 @@ from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 from torchopt.update import apply_updates
 
-from torchfn._checks import _leaves_with_paths, _part, _replace
+from torchfn._checks import _foreach_map, _leaves_with_paths, _part, _replace
 
 __all__ = [
     "DynamicLossScaler",
@@ -456,6 +456,17 @@ def _scale_tree(tree: TensorDict, factor: Tensor, per_member: bool) -> TensorDic
             for k, t in tree.items()}
 
 
+def _apply_updates(params: TensorDict, updates: Any) -> Any:
+    """``torchopt.apply_updates(params, updates, inplace=False)``: ``p + u`` per leaf, as one
+    ``torch._foreach_add`` per (device, dtype) group where :func:`_foreach_map` allows."""
+    if type(updates) is dict and type(params) is dict and updates.keys() == params.keys():
+        ps, us = list(params.values()), [updates[k] for k in params]
+        res = _foreach_map(lambda a, b: (torch._foreach_add(a, b),), [ps, us])
+        if res is not None:
+            return dict(zip(params, res[0], strict=True))
+    return apply_updates(params, updates, inplace=False)
+
+
 def apply_gradients(
     optimizer: GradientTransformation,
     grads: Mapping[str, Tensor],
@@ -558,7 +569,7 @@ def apply_gradients(
         g_in, p_in = g, {k: params[k] for k in names}
     with _part("torchfn.optimizer"):
         updates, opt_state = optimizer.update(g_in, state.opt_state, params=p_in, inplace=False)
-        updated = apply_updates(p_in, updates, inplace=False)
+        updated = _apply_updates(p_in, updates)
     new_params = {k: updated[k] if k in g else v for k, v in params.items()}
     new_buffers = dict(buffers) if buffers is not None else state.buffers
 

@@ -7,6 +7,12 @@ floating copy of the count, in at least float32 and in float64 for float64 momen
 out-of-place throughout (so ``torch.func.grad`` / ``create_graph=True`` can differentiate through
 an update, as meta-learning needs) and otherwise follow torchopt's signatures and semantics; their
 state is torchopt's ``ScaleByAdamState`` inside a torchopt ``chain``.
+
+In eager mode, when nothing is differentiated through the update (no leaf tracked by autograd,
+no ``torch.func`` transform, not compiling), every part of the chain runs as a few
+``torch._foreach_*`` multi-tensor ops per (device, dtype) group instead of a loop of small ops
+per leaf; they are the same elementwise ops in the same order, so the numbers are the same bit
+for bit on CPU (tests compare both paths).
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ import optree
 import torch
 from torchopt.base import EmptyState, GradientTransformation, identity
 from torchopt.combine import chain
-from torchopt.transform import add_decayed_weights, scale, scale_by_schedule
+from torchopt.transform import scale_by_schedule
+from torchopt.transform.add_decayed_weights import masked
 from torchopt.transform.scale_by_adam import ScaleByAdamState
 from torchopt.typing import OptState, Params, ScalarOrSchedule, Updates
+
+from torchfn._checks import _foreach_map
 
 __all__ = ["adam", "adamw", "scale_by_adam"]
 
@@ -64,6 +73,63 @@ def _bias_correction(decay: float, count: torch.Tensor, dtype: torch.dtype) -> t
     """Return ``1 - decay**count`` as a 0-d tensor in ``dtype`` promoted to at least float32."""
     work = torch.promote_types(dtype, torch.float32)
     return 1.0 - torch.pow(decay, count.to(work))
+
+
+def _stack_cast(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Return the 0-d tensors ``ts`` cast to ``dtype`` (one stack, one cast, one unbind)."""
+    if ts[0].dtype == dtype:
+        return ts
+    return list(torch.stack(ts).to(dtype).unbind())
+
+
+def _foreach_bias_correction(
+    decay: float, counts: list[torch.Tensor], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """:func:`_bias_correction` of each 0-d count, cast to ``dtype``, by multi-tensor ops.
+
+    ``torch.pow`` runs per 0-d count (``_foreach_pow``: Sleef's vectorized pow on a stacked
+    vector may differ in the last bit from the scalar pow), and ``1 - x`` as ``(-x) + 1``,
+    which IEEE arithmetic makes equal. The results stay on the device: no host sync.
+    """
+    work = torch.promote_types(dtype, torch.float32)
+    out = torch._foreach_pow(decay, _stack_cast(counts, work))
+    torch._foreach_neg_(out)
+    torch._foreach_add_(out, 1.0)
+    return _stack_cast(out, dtype)
+
+
+def _foreach_adam(
+    b1: float, b2: float, eps: float, eps_root: float
+) -> Callable[..., tuple[list[torch.Tensor], ...]]:
+    """Return the multi-tensor twin of ``scale_by_adam``'s per-leaf update (same ops, same
+    order) over one (device, dtype) group: ``(gs, mus, nus, counts) -> (us, mus, nus, counts)``."""
+
+    def run(
+        gs: list[torch.Tensor],
+        mus: list[torch.Tensor],
+        nus: list[torch.Tensor],
+        cs: list[torch.Tensor],
+    ) -> tuple[list[torch.Tensor], ...]:
+        mdt, ndt = mus[0].dtype, nus[0].dtype
+        gms = gs if gs[0].dtype == mdt else [g.to(mdt) for g in gs]
+        mu = torch._foreach_mul(mus, b1)
+        torch._foreach_add_(mu, gms, alpha=1.0 - b1)
+        nu = torch._foreach_mul(nus, b2)
+        torch._foreach_addcmul_(nu, gms, gms, value=1.0 - b2)
+        # count + (count != INT64_MAX): min(count, INT64_MAX - 1) + 1 is the same, overflow-free
+        count = torch._foreach_clamp_max(cs, _INT64_MAX - 1)
+        torch._foreach_add_(count, 1)
+        u = torch._foreach_div(mu, _foreach_bias_correction(b1, count, mdt))
+        den = torch._foreach_div(nu, _foreach_bias_correction(b2, count, ndt))
+        torch._foreach_add_(den, eps_root)
+        torch._foreach_sqrt_(den)
+        torch._foreach_add_(den, eps)
+        torch._foreach_div_(u, den)
+        gdt = gs[0].dtype
+        us = u if u[0].dtype == gdt else [x.to(gdt) for x in u]
+        return us, mu, nu, count
+
+    return run
 
 
 def scale_by_adam(
@@ -144,11 +210,79 @@ def scale_by_adam(
         mu_leaves = spec.flatten_up_to(state.mu)
         nu_leaves = spec.flatten_up_to(state.nu)
         c_leaves = spec.flatten_up_to(state.count)
-        out = [leaf(*xs) for xs in zip(g_leaves, mu_leaves, nu_leaves, c_leaves, strict=True)]
-        new = [spec.unflatten([o[i] for o in out]) for i in range(4)]
-        return new[0], ScaleByAdamState(mu=new[1], nu=new[2], count=new[3])
+        new = _update_foreach(g_leaves, mu_leaves, nu_leaves, c_leaves)
+        if new is None:
+            out = [
+                leaf(*xs) for xs in zip(g_leaves, mu_leaves, nu_leaves, c_leaves, strict=True)
+            ]
+            new = [[o[i] for o in out] for i in range(4)]
+        trees = [spec.unflatten(leaves) for leaves in new]
+        return trees[0], ScaleByAdamState(mu=trees[1], nu=trees[2], count=trees[3])
+
+    def _update_foreach(
+        g_leaves: list[Any], mu_leaves: list[Any], nu_leaves: list[Any], c_leaves: list[Any]
+    ) -> list[list[Any]] | None:
+        """The per-leaf update by multi-tensor ops, or ``None`` where they may not run."""
+        idx = [i for i, g in enumerate(g_leaves) if g is not None]  # None: state kept
+        if not idx or any(
+            not isinstance(c_leaves[i], torch.Tensor) or c_leaves[i].dtype != torch.int64
+            for i in idx
+        ):
+            return None
+        sub = [[xs[i] for i in idx] for xs in (g_leaves, mu_leaves, nu_leaves)]
+        res = _foreach_map(run, sub, [[c_leaves[i] for i in idx]])
+        if res is None:
+            return None
+        new: list[list[Any]] = [
+            [None] * len(g_leaves), list(mu_leaves), list(nu_leaves), list(c_leaves)
+        ]
+        for full, part in zip(new, res, strict=True):
+            for i, r in zip(idx, part, strict=True):
+                full[i] = r
+        return new
+
+    run = _foreach_adam(b1, b2, eps, eps_root)
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _map_updates(
+    leaf_fn: Callable[..., torch.Tensor],
+    foreach_fn: Callable[..., list[torch.Tensor]],
+    updates: Updates,
+    params: Params | None,
+    scalars: tuple[torch.Tensor, ...] = (),
+) -> Updates:
+    """Return ``updates`` mapped leaf by leaf by ``leaf_fn(g[, p])`` (``None`` leaves kept), by
+    ``foreach_fn(gs[, ps])`` per (device, dtype) group where :func:`_foreach_map` allows
+    (every leaf a tensor; ``scalars``: 0-d tensors ``foreach_fn`` reads, on the leaves'
+    device)."""
+    leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
+    trees = [leaves]
+    if params is not None:
+        if optree.tree_structure(params, none_is_leaf=True) == spec:
+            trees.append(spec.flatten_up_to(params))
+        else:
+            trees = []  # the per-leaf map says what is wrong
+    idx = [i for i, g in enumerate(leaves) if g is not None]
+    if trees and idx and all(s.ndim == 0 for s in scalars):
+        res = _foreach_map(
+            lambda *ls: (foreach_fn(*ls[: len(trees)]),),
+            [[t[i] for i in idx] for t in trees],
+            [[s] * len(idx) for s in scalars],
+        )
+        if res is not None:
+            out = list(leaves)
+            for i, r in zip(idx, res[0], strict=True):
+                out[i] = r
+            return spec.unflatten(out)
+
+    def f(g: torch.Tensor | None, *p: torch.Tensor | None) -> torch.Tensor | None:
+        return None if g is None else leaf_fn(g, *p)
+
+    if params is None:
+        return optree.tree_map(f, updates, none_is_leaf=True)
+    return optree.tree_map(f, updates, params, none_is_leaf=True)
 
 
 def _flip_sign_and_l2(weight_decay: float, maximize: bool) -> GradientTransformation:
@@ -159,6 +293,19 @@ def _flip_sign_and_l2(weight_decay: float, maximize: bool) -> GradientTransforma
     def init_fn(params: Params) -> OptState:
         del params
         return EmptyState()
+
+    def leaf_fn(g: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+        g = g.neg() if maximize else g
+        return g.add(p, alpha=weight_decay) if weight_decay != 0.0 else g
+
+    def foreach_fn(
+        gs: list[torch.Tensor], ps: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        if maximize:
+            gs = torch._foreach_neg(gs)
+        if weight_decay != 0.0:
+            gs = torch._foreach_add(gs, ps, alpha=weight_decay)
+        return gs
 
     def update_fn(
         updates: Updates,
@@ -173,16 +320,72 @@ def _flip_sign_and_l2(weight_decay: float, maximize: bool) -> GradientTransforma
                 "adam(weight_decay=...).update(updates, state): weight decay needs the parameters;"
                 " call update(updates, state, params=params, inplace=False)"
             )
+        p = params if weight_decay != 0.0 else None
+        return _map_updates(leaf_fn, foreach_fn, updates, p), state
 
-        def f(g: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor | None:
-            if g is None:
-                return None
-            g = g.neg() if maximize else g
-            return g.add(p, alpha=weight_decay) if weight_decay != 0.0 else g
+    return GradientTransformation(init_fn, update_fn)
 
+
+def _add_decayed_weights(
+    weight_decay: float, mask: OptState | Callable[[Params], OptState] | None
+) -> GradientTransformation:
+    """``torchopt.transform.add_decayed_weights`` (``g + weight_decay * p``, same state), with
+    the multi-tensor fast path."""
+
+    def init_fn(params: Params) -> OptState:
+        del params
+        return EmptyState()
+
+    def update_fn(
+        updates: Updates,
+        state: OptState,
+        *,
+        params: Params | None = None,
+        inplace: bool = True,
+    ) -> tuple[Updates, OptState]:
+        del inplace
         if params is None:
-            return optree.tree_map(lambda g: f(g, None), updates, none_is_leaf=True), state
-        return optree.tree_map(f, updates, params, none_is_leaf=True), state
+            raise ValueError(
+                "adamw(weight_decay=...).update(updates, state): weight decay needs the "
+                "parameters; call update(updates, state, params=params, inplace=False)"
+            )
+        out = _map_updates(
+            lambda g, p: g.add(p, alpha=weight_decay),
+            lambda gs, ps: torch._foreach_add(gs, ps, alpha=weight_decay),
+            updates,
+            params,
+        )
+        return out, state
+
+    inner = GradientTransformation(init_fn, update_fn)
+    return inner if mask is None else masked(inner, mask)
+
+
+def _scale(step_size: float | torch.Tensor) -> GradientTransformation:
+    """``torchopt.transform.scale`` (``g * step_size``, same state), with the multi-tensor fast
+    path (a tensor ``step_size`` there: on the leaves' device, not tracked by autograd)."""
+    scalars = (step_size,) if isinstance(step_size, torch.Tensor) else ()
+
+    def init_fn(params: Params) -> OptState:
+        del params
+        return EmptyState()
+
+    def update_fn(
+        updates: Updates,
+        state: OptState,
+        *,
+        params: Params | None = None,
+        inplace: bool = True,
+    ) -> tuple[Updates, OptState]:
+        del params, inplace
+        out = _map_updates(
+            lambda g: g.mul(step_size),
+            lambda gs: torch._foreach_mul(gs, step_size),
+            updates,
+            None,
+            scalars,
+        )
+        return out, state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -196,8 +399,8 @@ def _scale_by_neg_lr(lr: ScalarOrSchedule) -> GradientTransformation:
 
         return scale_by_schedule(neg_schedule)
     if isinstance(lr, torch.Tensor):
-        return scale(-lr)  # type: ignore[arg-type]  # stays differentiable w.r.t. ``lr``
-    return scale(-float(lr))
+        return _scale(-lr)  # stays differentiable w.r.t. ``lr``
+    return _scale(-float(lr))
 
 
 def adam(
@@ -290,6 +493,6 @@ def adamw(
         ),
     ]
     if weight_decay != 0.0:
-        parts.append(add_decayed_weights(weight_decay, mask))
+        parts.append(_add_decayed_weights(weight_decay, mask))
     parts.append(_scale_by_neg_lr(lr))
     return chain(*parts)
