@@ -23,9 +23,16 @@ Variants per algorithm (``--imaml-variants``, ``--protonet-variants``; comma lis
 tokens of ``meta.py`` (``-unfold``/``-unfoldall``: convs as unfold + matmul via
 ``torchfn.compile.unfold_convs``; ``-fix``, ``-cg``, ``-at``, ...). Compiled variants of iMAML
 run only at the K of ``--compiled-steps`` (default 5: each compile of the conv4 step costs
-minutes on an H100). Order: every JAX row, every eager row (so each
-eager row is compared with JAX), then the compiled rows, iMAML's first. A compiled row starts
-only if the time so far plus its estimated compile (``--imaml-compile-estimate-s``,
+minutes on an H100, growing with K: the inner loop is unrolled in the graph). iMAML also has
+``inner`` variants (``inner-unfold``, ``inner-fix-unfold``, ...: the ``meta_grad`` of
+``make_meta_train_step(learner, sgd, compile="inner")``: the proximal inner step and the
+implicit solve each compiled once, compile time flat in K), run at every K of
+``--inner-steps``; each row compiles afresh (``torch._dynamo.reset()``), but Inductor's on-disk
+caches serve the later K the kernels of the first: set ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
+to time a cold compile at every K. Order: every JAX row, every eager row (so each eager row is
+compared with JAX), the ``inner`` rows, then the compiled rows, iMAML's first. An ``inner`` or
+compiled row starts only if the time so far plus its estimated compile
+(``--imaml-inner-compile-estimate-s``, ``--imaml-compile-estimate-s``,
 ``--protonet-compile-estimate-s``) fits ``--budget-s`` (default 480 s); else it is recorded as
 skipped, so one call of the defaults stays near 8 minutes.
 
@@ -39,6 +46,8 @@ of ``--repeats`` synchronized calls; peak CUDA memory over the timed calls.
 
     python benchmarks/meta_breadth.py --out meta-breadth.json --md meta-breadth-h100.md
     python benchmarks/meta_breadth.py --small --dtype float64 --jax-python /tmp/jaxenv/bin/python
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python benchmarks/meta_breadth.py --algos imaml \
+        --imaml-variants jax,inner-unfold --compiled-steps '' --md meta-breadth-inner.md
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ from torch import Tensor, nn
 
 from torchfn.compile import inductor_options, unfold_convs
 from torchfn.functional import make_functional
-from torchfn.meta import Task, imaml, protonet
+from torchfn.meta import Task, imaml, make_meta_train_step, protonet
+from torchfn.optim import sgd
 
 LOSS = "__loss__"  # key of the meta-loss in a timed call's output dict
 UNFOLD_MIN_PATCH = {"unfold": 64, "unfoldall": 1}
@@ -106,18 +116,25 @@ def run_jax(python: str, module: nn.Module, tasks: Task, settings: dict) -> dict
 
 
 def build_call(learner_fn: Callable[[Callable], object], module: nn.Module, kind: str,
-               tokens: set[str], mode: str | None) -> Callable:
-    """Return the learner's ``meta_grad`` for a torch variant: model unfolded, compiled or not."""
+               tokens: set[str], mode: str | None, backend: str = "inductor") -> Callable:
+    """Return the learner's ``meta_grad`` for a torch variant: model unfolded, compiled whole,
+    compiled by parts (``inner``: ``make_meta_train_step(compile="inner")``'s) or eager."""
     tok = next(iter(tokens & UNFOLD_MIN_PATCH.keys()), None)
     net = module if tok is None else unfold_convs(module, min_patch=UNFOLD_MIN_PATCH[tok])
-    call = learner_fn(make_functional(net)[0]).meta_grad
-    if kind != "compiled":
-        return call
+    learner = learner_fn(make_functional(net)[0])
+    if kind not in ("compiled", "inner"):
+        return learner.meta_grad
     if "fix" in tokens:  # compile takes a mode or options, not both
-        options = {**(torch._inductor.list_mode_options(mode) if mode else {}),
-                   **inductor_options(channels_last="gcl" in tokens)}
-        return torch.compile(call, fullgraph=True, options=options)
-    return torch.compile(call, fullgraph=True, mode=mode)
+        kwargs = {"options": {**(torch._inductor.list_mode_options(mode) if mode else {}),
+                              **inductor_options(channels_last="gcl" in tokens)}}
+    else:
+        kwargs = {"mode": mode}
+    if backend != "inductor":  # modes and options are Inductor's
+        kwargs = {"backend": backend}
+    if kind == "inner":
+        return make_meta_train_step(learner, sgd(0.1), compile="inner",
+                                    compile_kwargs=kwargs).meta_grad
+    return torch.compile(learner.meta_grad, fullgraph=True, **kwargs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -143,9 +160,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tol", type=float, default=None,
                     help="max relative gradient difference (default 1e-9 float64, 2e-2 float32)")
     ap.add_argument("--budget-s", type=float, default=480.0,
-                    help="start a compiled row only if elapsed + its compile estimate fits")
+                    help="start a compiled or inner row only if elapsed + its compile "
+                         "estimate fits")
     ap.add_argument("--imaml-compile-estimate-s", type=float, default=240.0)
+    ap.add_argument("--imaml-inner-compile-estimate-s", type=float, default=90.0)
     ap.add_argument("--protonet-compile-estimate-s", type=float, default=60.0)
+    ap.add_argument("--backend", default="inductor",
+                    help="torch.compile backend of compiled and inner rows (aot_eager: a CPU "
+                         "smoke test without kernel builds)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--jax-python", default=sys.executable,
                     help="interpreter for the JAX twins (needs numpy and jax)")
@@ -220,13 +242,17 @@ def main(argv: list[str] | None = None) -> int:
                 "protonet": args.protonet_variants.split(",")}
     for algo in args.algos:
         for v in variants[algo]:
+            if v and parse_variant(v)[0] == "inner" and algo != "imaml":
+                raise SystemExit(f"meta_breadth.py: {v!r}: inner variants are iMAML's "
+                                 "(ProtoNet has no inner loop)")
             if v:
                 parse_variant(v)  # unknown variants fail before anything runs
     plan = [(algo, k, v) for algo in args.algos
             for k in (args.inner_steps if algo == "imaml" else [None])
             for v in variants[algo] if v]
     jobs = ([j for j in plan if j[2] == "jax"]
-            + [j for j in plan if not j[2].startswith(("jax", "compiled"))]
+            + [j for j in plan if not j[2].startswith(("jax", "compiled", "inner"))]
+            + [j for j in plan if j[2].startswith("inner")]
             + [j for j in plan if j[2].startswith("compiled") and j[0] == "imaml"
                and j[1] in args.compiled_steps]
             + [j for j in plan if j[2].startswith("compiled") and j[0] == "protonet"])
@@ -261,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         row: dict = {"algo": algo, "inner_steps": k, "variant": name}
         results["rows"].append(row)
         ref_g, ref_loss = reference[algo, k]
-        if kind == "compiled" and elapsed() + estimate[algo] > args.budget_s:
-            row["skipped"] = (f"budget: {elapsed():.0f} s so far + {estimate[algo]:.0f} s "
+        est = args.imaml_inner_compile_estimate_s if kind == "inner" else estimate[algo]
+        if kind in ("compiled", "inner") and elapsed() + est > args.budget_s:
+            row["skipped"] = (f"budget: {elapsed():.0f} s so far + {est:.0f} s "
                               f"compile estimate > --budget-s {args.budget_s:.0f}")
             print(f"[{elapsed():6.1f} s] {label:34s} skipped ({row['skipped']})", flush=True)
             save()
@@ -287,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             torch._dynamo.reset()
             try:
-                call = build_call(learners[algo, k], modules[algo], kind, tokens, mode)
+                call = build_call(learners[algo, k], modules[algo], kind, tokens, mode,
+                                  args.backend)
 
                 def fn(call=call, p=params[algo]) -> dict[str, Tensor]:
                     g, loss, _ = call(p, {}, tasks)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -118,3 +119,29 @@ def test_jax_twin_imports_no_torch():
     assert "torch" not in modules and "torchfn" not in modules
     assert modules <= {"__future__", "collections", "typing", "os", "statistics", "sys", "time",
                        "numpy", "jax", "meta_jax"}, modules
+
+
+def test_imaml_inner_rows_run_at_every_k_after_the_eager_rows(tmp_path: Path):
+    out = tmp_path / "r.json"
+    args = [*SMALL, "--algos", "imaml", "--imaml-variants", "inner-unfold,eager", "--backend",
+            "aot_eager", "--compiled-steps", "", "--out", str(out)]
+    assert _load().main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["inner_steps"], r["variant"]) for r in rows] == [
+        (1, "eager"), (2, "eager"), (1, "inner-unfold"), (2, "inner-unfold")]
+    for r in rows[2:]:
+        assert r["ok"] and r["rel_diff_vs_eager"] < 1e-9 and r["median_s"] > 0
+
+
+def test_an_inner_row_that_does_not_fit_the_budget_is_skipped_and_protonet_has_none(
+        tmp_path: Path):
+    out = tmp_path / "r.json"
+    args = [*SMALL, "--algos", "imaml", "--inner-steps", "1", "--imaml-variants",
+            "eager,inner", "--budget-s", "10", "--imaml-inner-compile-estimate-s", "60",
+            "--out", str(out)]
+    assert _load().main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "inner"]
+    assert rows[1]["skipped"].startswith("budget: ") and "+ 60 s compile" in rows[1]["skipped"]
+    with pytest.raises(SystemExit, match="inner variants are iMAML's"):
+        _load().main([*SMALL, "--algos", "protonet", "--protonet-variants", "inner"])

@@ -22,9 +22,10 @@ import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
-from torch.func import grad, vjp
+from torch.func import grad, vjp, vmap
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _part
@@ -71,7 +72,8 @@ class ImplicitMetaLearner(MetaLearner):
 
     Build it with :func:`imaml`. It is a :class:`MetaLearner` (same ``model_fn``/``loss_fn``
     contract, task batches, ``chunk_size``, ``randomness``, BatchNorm buffers), so it drops
-    into :func:`torchfn.meta.make_meta_train_step`. Differences from MAML:
+    into :func:`torchfn.meta.make_meta_train_step` (``compile="inner"`` included). Differences
+    from MAML:
 
     - :meth:`adapt` returns ``phi*`` *detached*: no gradient flows through the inner loop.
     - :meth:`meta_grad` returns the implicit gradient (module docstring), not the gradient of
@@ -147,17 +149,26 @@ class ImplicitMetaLearner(MetaLearner):
         """
         theta = {k: meta_params[k].detach() for k in self._model_names(meta_params)}
         phi = dict(theta)
-        support_loss = self._support_loss(support_x, support_y)
         bufs = {k: v.detach() for k, v in buffers.items()}
         state = self.inner_opt.init(phi)
         with _part("torchfn.inner_loop"):
             for _ in range(self.inner_steps):
-                g, bufs = grad(support_loss, has_aux=True)(phi, bufs)
-                g = {k: g[k].detach() + self.lam * (phi[k] - theta[k]) for k in phi}
-                bufs = {k: v.detach() for k, v in bufs.items()}
-                updates, state = self.inner_opt.update(g, state, params=phi, inplace=False)
-                phi = {k: (phi[k] + updates[k]).detach() for k in phi}
+                phi, state, bufs = self._proximal_step(phi, theta, state, bufs, support_x,
+                                                       support_y)
         return phi, bufs
+
+    def _proximal_step(
+        self, phi: TensorDict, theta: TensorDict, state: Any, bufs: TensorDict, support_x: Any,
+        support_y: Any,
+    ) -> tuple[TensorDict, Any, TensorDict]:
+        """One inner step of one task on the proximal support loss, detached:
+        ``(phi, inner_opt state, buffers)`` after it."""
+        g, bufs = grad(self._support_loss(support_x, support_y), has_aux=True)(phi, bufs)
+        g = {k: g[k].detach() + self.lam * (phi[k] - theta[k]) for k in phi}
+        bufs = {k: v.detach() for k, v in bufs.items()}
+        updates, state = self.inner_opt.update(g, state, params=phi, inplace=False)
+        phi = {k: (phi[k] + updates[k]).detach() for k in phi}
+        return phi, state, bufs
 
     def task_loss(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], task: Task
@@ -179,6 +190,15 @@ class ImplicitMetaLearner(MetaLearner):
         incoming ``buffers``). ``loss_scale`` multiplies ``g`` (fp16), not the loss.
         """
         phi, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
+        return self._implicit_solve(phi, bufs, buffers, task, loss_scale)
+
+    def _implicit_solve(
+        self, phi: TensorDict, bufs: TensorDict, buffers: Mapping[str, Tensor], task: Task,
+        loss_scale: Tensor | None,
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        """:meth:`task_grad` after the inner loop: the query gradient at ``phi`` (with the
+        post-adaptation ``bufs``) and the CG solve on the support Hessian at ``phi`` (with the
+        task's incoming ``buffers``)."""
         support_loss = self._support_loss(task.support_x, task.support_y)
         in_bufs = {k: v.detach() for k, v in buffers.items()}
 
@@ -272,6 +292,55 @@ class ImplicitMetaLearner(MetaLearner):
 
         return self._sum_over_chunks(meta_params, buffers, tasks, names, chunk_grad)
 
+    # -- compile="inner" of make_meta_train_step (_inner_compile.py) ------------------------------
+
+    def _chunk_proximal_step(self) -> Callable[..., Any]:
+        """Return ``step(phi, theta, state, bufs, support_x, support_y) -> (phi, state, bufs)``:
+        one proximal inner step of every task of a chunk, detached. Every argument but
+        ``theta`` (the meta-params, no task dim) has the task dim 0."""
+        return vmap(self._proximal_step, in_dims=(0, None, 0, 0, 0, 0),
+                    randomness=self.randomness)
+
+    def _chunk_solve(self) -> Callable[..., Any]:
+        """Return ``solve(phi, bufs, buffers, chunk, loss_scale) -> (summed g, summed loss,
+        per-task buffers)``: :meth:`task_grad` after the inner loop for every task of a chunk
+        (``phi``, ``bufs``, ``chunk`` with the task dim 0; ``buffers``, the incoming ones, and
+        ``loss_scale`` without)."""
+        solve_t = vmap(self._implicit_solve, in_dims=(0, 0, None, 0, None),
+                       randomness=self.randomness)
+
+        def solve(phi: TensorDict, bufs: TensorDict, buffers: TensorDict, chunk: Task,
+                  loss_scale: Tensor | None) -> tuple[TensorDict, Tensor, TensorDict]:
+            g_t, loss_t, buf_t = solve_t(phi, bufs, buffers, chunk, loss_scale)
+            return {k: v.sum(0) for k, v in g_t.items()}, loss_t.sum(), buf_t
+
+        return solve
+
+    def _stepped_chunk_grad(
+        self, step: Callable[..., Any], solve: Callable[..., Any],
+        meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], chunk: Task,
+        names: list[str], loss_scale: Tensor | None,
+    ) -> tuple[TensorDict, Tensor, TensorDict]:
+        """The ``chunk_grad`` of :meth:`meta_grad` from the pieces of :meth:`_chunk_proximal_step`
+        (called ``inner_steps`` times) and :meth:`_chunk_solve` (once), e.g. each compiled.
+
+        The inner state starts with the task dim (the meta-params and buffers broadcast to
+        ``(T, ...)`` copies, the optimizer state vmap-initialised), so every call of ``step``
+        sees one input layout and reuses one compiled graph."""
+        n = optree.tree_leaves(chunk.support_x)[0].shape[0]
+        theta = {k: meta_params[k].detach() for k in self._model_names(meta_params)}
+        phi = {k: v.expand(n, *v.shape).contiguous() for k, v in theta.items()}
+        in_bufs = {k: v.detach() for k, v in buffers.items()}
+        bufs = {k: v.expand(n, *v.shape).contiguous() for k, v in in_bufs.items()}
+        state = vmap(self.inner_opt.init)(phi)
+        with _part("torchfn.inner_loop"):
+            for _ in range(self.inner_steps):
+                phi, state, bufs = step(phi, theta, state, bufs, chunk.support_x,
+                                        chunk.support_y)
+        with _part("torchfn.implicit_cg"):
+            g, loss, buf_t = solve(phi, bufs, in_bufs, chunk, loss_scale)
+        return {k: g[k] for k in names}, loss, buf_t
+
 
 def _check_imaml_args(*, lam: Any, cg_steps: Any, cg_damping: Any) -> None:
     def is_real(v: Any) -> bool:
@@ -315,6 +384,12 @@ def imaml(
       Hessian of ``L_s`` at ``phi*_t``, by ``cg_steps`` conjugate-gradient iterations over
       Hessian-vector products (a fixed count: vmapped over tasks, compiles with
       ``fullgraph=True``); the meta-gradient is ``mean_t g_t``, each of the shape of its param.
+
+    Compiling: ``torch.compile(make_meta_train_step(learner, opt), fullgraph=True)`` unrolls
+    the inner loop into one graph, so its compile time grows with ``inner_steps``;
+    ``make_meta_train_step(learner, opt, compile="inner")`` compiles the proximal inner step of
+    a task chunk and the implicit solve each once and calls the step ``inner_steps`` times
+    (same numbers, compile time flat in ``inner_steps``).
 
     The solve is exact when the inner problem is solved (``inner_steps`` large enough for the
     inner optimizer to converge; plain SGD needs ``inner_lr < 2 / (lam + max eig H)``) and

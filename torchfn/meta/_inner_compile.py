@@ -17,6 +17,12 @@ single backward of a compiled function -- for a second-order learner it holds th
 Hessian-vector products of the inner step -- so no compiled function is differentiated twice,
 and the numbers are those of the ``torch.func`` path. The cost is Python between the calls
 (no one graph, no CUDA graph over the whole step).
+
+iMAML (:class:`ImplicitMetaLearner`) needs no gradient through its inner loop, so its pieces
+are two forward-only compiled functions: the proximal inner step of a task chunk (detached,
+called ``inner_steps`` times) and the implicit solve (the query gradient at the inner solution
+and the ``cg_steps`` CG iterations over Hessian-vector products, one graph: ``cg_steps`` is
+fixed and small), plus the same outer update.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from torch import Tensor
 
 from torchfn._checks import _call_translated, _compile_kwargs
+from torchfn.meta._imaml import ImplicitMetaLearner
 from torchfn.meta._maml import LR_PREFIX, MetaLearner
 from torchfn.meta._regions import make_region_query, make_region_step, region_chunk_grad
 from torchfn.meta._tasks import Task, check_task_batch
@@ -43,13 +50,13 @@ _NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is b
 def check_inner_compile(learner: MetaLearner, *, amp: str | None, where: str) -> None:
     """Raise unless ``learner`` (and the step's ``amp``) fit ``compile="inner"``."""
     call = f"{where}(learner={learner!r}, compile='inner')"
-    if type(learner).meta_grad is not MetaLearner.meta_grad:
+    if type(learner).meta_grad not in (MetaLearner.meta_grad, ImplicitMetaLearner.meta_grad):
         raise ValueError(
-            f"{call}: compile='inner' compiles the inner step of MAML, first-order MAML, ANIL "
-            f"and Meta-SGD (maml, fomaml, anil, meta_sgd); a {type(learner).__name__} computes "
-            "its meta-gradient its own way (MAML++: per-step BatchNorm and multi-step loss; "
-            "iMAML: an implicit gradient), so it does not fit; use compile=None and "
-            "torch.compile the whole step"
+            f"{call}: compile='inner' compiles the inner step of MAML, first-order MAML, ANIL, "
+            f"Meta-SGD and iMAML (maml, fomaml, anil, meta_sgd, imaml); a "
+            f"{type(learner).__name__} computes its meta-gradient its own way (MAML++: "
+            "per-step BatchNorm and a multi-step loss), so it does not fit; use compile=None "
+            "and torch.compile the whole step"
         )
     refusals = [
         (learner.reptile, "reptile=True",
@@ -72,17 +79,24 @@ def check_inner_compile(learner: MetaLearner, *, amp: str | None, where: str) ->
 
 class InnerCompiledMetaGrad:
     """``meta_grad(meta_params, buffers, tasks, *, wrt=None, loss_scale=None)`` of ``learner``
-    with its inner step and its query loss each ``torch.compile``d once (module docstring).
+    with its inner step and its query loss (iMAML: its implicit solve) each
+    ``torch.compile``d once (module docstring).
 
     Returns what :meth:`MetaLearner.meta_grad` returns, with the same numbers. Call it eagerly,
     not under ``torch.compile``. ``compile_kwargs`` go to each ``torch.compile``
-    (``fullgraph=True`` by default).
+    (``fullgraph=True`` by default); ``compile_query=False`` leaves the query loss (iMAML: the
+    solve) eager.
     """
 
     def __init__(self, learner: MetaLearner, compile_kwargs: Mapping[str, Any] | None = None,
                  *, compile_query: bool = True) -> None:
         self.learner = learner
         kwargs = _compile_kwargs(dict(compile_kwargs or {}), None)
+        if isinstance(learner, ImplicitMetaLearner):  # forward-only pieces (module docstring)
+            self.inner_step = torch.compile(learner._chunk_proximal_step(), **kwargs)
+            solve = learner._chunk_solve()
+            self.solve = torch.compile(solve, **kwargs) if compile_query else solve
+            return
         step = make_region_step(
             learner._model_call, learner.loss_fn, learner.inner_opt,
             model_names=learner._model_names, first_order=learner.first_order,
@@ -123,6 +137,9 @@ class InnerCompiledMetaGrad:
         names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
 
         def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
+            if isinstance(learner, ImplicitMetaLearner):
+                return learner._stepped_chunk_grad(self.inner_step, self.solve, meta_params,
+                                                   buffers, chunk, names, loss_scale)
             return region_chunk_grad(learner, meta_params, buffers, chunk, names, loss_scale,
                                      step=self.inner_step, query=self.query)
 

@@ -150,11 +150,13 @@ def make_meta_train_step(
     ``torch.compile`` it raises ``RuntimeError``); ``compile_kwargs`` go to each
     ``torch.compile`` (e.g. ``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``;
     ``fullgraph=True`` unless given). It fits :func:`maml`, :func:`fomaml`, :func:`anil`,
-    :func:`meta_sgd` (``chunk_size`` and BatchNorm buffers included) and refuses with
-    ``ValueError`` Reptile, MAML++, iMAML, ``remat=True``, ``compile_regions=True``,
-    ``randomness`` other than ``"error"`` and ``amp``. With the compile cache of
-    :func:`torchfn.compile.enable_compile_cache`, a new process loads the three graphs instead
-    of building them. Either way ``step.meta_grad`` is the meta-gradient function the step
+    :func:`meta_sgd` (``chunk_size`` and BatchNorm buffers included) and :func:`imaml`, whose
+    compiled parts need no gradient through them: its proximal inner step (called
+    ``inner_steps`` times), its implicit solve (query gradient and the ``cg_steps`` CG
+    iterations, one graph) and the outer update. It refuses with ``ValueError`` Reptile,
+    MAML++, ``remat=True``, ``compile_regions=True``, ``randomness`` other than ``"error"``
+    and ``amp``. With the compile cache of :func:`torchfn.compile.enable_compile_cache`, a new
+    process loads the three graphs instead of building them. Either way ``step.meta_grad`` is the meta-gradient function the step
     calls (``learner.meta_grad``, or the one with the compiled inner step).
 
     Example:
