@@ -136,11 +136,13 @@ def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) 
         which[dst], srow[dst] = k, rows
     # runs of consecutive source rows (file order) go in one buffer
     cut = np.flatnonzero((np.diff(which) != 0) | (np.diff(srow) != 1)) + 1
-    starts = [0, *cut.tolist()]
-    ends = [*cut.tolist(), n]
-    bufs = [views[w][r * row_bytes:(r + m) * row_bytes] for w, r, m in zip(
-        which[starts].tolist(), srow[starts].tolist(),
-        (np.asarray(ends) - np.asarray(starts)).tolist(), strict=True)]
+    starts = np.concatenate(([0], cut))
+    lens = np.diff(starts, append=n) * row_bytes  # bytes of each run
+    first = srow[starts] * row_bytes
+    bufs = [views[w][a:b] for w, a, b in zip(
+        which[starts].tolist(), first.tolist(), (first + lens).tolist(), strict=True)]
+    # bytes written by each pwritev of up to _IOV_MAX buffers
+    wants = np.add.reduceat(lens, np.arange(0, len(lens), _IOV_MAX)).tolist()
     slot = getattr(_pending, "slot", None)
     tail = slot is not None and slot[1] is None
     start = -(-nbytes // _ALIGN) * _ALIGN
@@ -149,9 +151,8 @@ def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) 
     try:
         os.ftruncate(fd, total)
         off = 0
-        for i in range(0, len(bufs), _IOV_MAX):
+        for i, want in zip(range(0, len(bufs), _IOV_MAX), wants, strict=True):
             chunk = bufs[i:i + _IOV_MAX]
-            want = sum(len(b) for b in chunk)
             done = os.pwritev(fd, chunk, off)
             while done < want:  # a short write (rare): write the rest one buffer at a time
                 rest = b"".join(bytes(b) for b in chunk)[done:]

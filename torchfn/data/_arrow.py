@@ -263,6 +263,9 @@ class _ArrowSource:
         return {**self.__dict__, "_cache": OrderedDict(), "_ahead": {}, "_pool": None}
 
 
+_OPEN_FILES = 32  # Parquet files a process keeps open (at least cache_units)
+
+
 def _parquet_file(pa: Any, path: str) -> Any:
     # a URL is read through an fsspec file object (pyarrow reads the footer and the row
     # groups it needs as byte ranges)
@@ -404,9 +407,10 @@ class ParquetSource(_ArrowSource):
         f, g = self._units[unit]
         pfiles = self.__dict__.setdefault(files, OrderedDict())
         pf = pfiles.get(f)
-        if pf is None:  # footers parsed once per file per process (a few files kept open)
+        if pf is None:  # footers parsed once per file per process (some files kept open:
+            # a shuffled epoch visits the row groups of many files in turn)
             pf = pfiles[f] = _parquet_file(pa, self.files[f])
-            while len(pfiles) > self.cache_units:
+            while len(pfiles) > max(self.cache_units, _OPEN_FILES):
                 pfiles.popitem(last=False)
         pfiles.move_to_end(f)
         # one thread: a DataLoader's workers already keep the cores busy

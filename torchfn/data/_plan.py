@@ -55,6 +55,20 @@ def _keys(seed: int, epoch: int, stream: int, n: int) -> np.ndarray:
     return _splitmix(np.arange(n, dtype=np.uint64) ^ _splitmix(base))
 
 
+def _window_order(keys: np.ndarray, buf: int) -> np.ndarray:
+    """Returns ``np.lexsort((keys, np.arange(n) // buf))`` for ``(n,)`` ``keys``: each
+    window of ``buf`` positions sorted by key (stable), windows in place; one sort per row
+    of the windows instead of a lexsort over all of them."""
+    n = len(keys)
+    full = n // buf * buf
+    order = np.empty(n, dtype=np.int64)
+    if full:
+        rows = np.argsort(keys[:full].reshape(-1, buf), axis=1, kind="stable")
+        order[:full] = (rows + np.arange(0, full, buf, dtype=np.int64)[:, None]).reshape(-1)
+    order[full:] = np.argsort(keys[full:], kind="stable") + full
+    return order
+
+
 class Plan(NamedTuple):
     """What one worker of one rank yields this epoch (after ``consumed``).
 
@@ -105,8 +119,7 @@ def global_order(
         )
         buf = shuffle_buffer if shuffle_buffer is not None else 2 * max(max(sizes), 1)
         buf = _check_int("shuffle_buffer", buf, 1)
-        window = np.arange(n, dtype=np.int64) // buf
-        g = g[np.lexsort((_keys(seed, epoch, 2, n), window))]
+        g = g[_window_order(_keys(seed, epoch, 2, n), buf)]
     else:
         g = np.arange(n, dtype=np.int64)
     excl = np.fromiter(exclude, dtype=np.int64)

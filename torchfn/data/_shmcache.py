@@ -151,7 +151,9 @@ class SharedDecodeCache:
             self._atomic(name, lambda f: np.save(f, a))
             return
         with f:  # exclusively locked until it has its new name
-            np.save(f, a)
+            # the raw file object: numpy writes the data straight from ``a`` (a wrapper or a
+            # buffered read-write file would make it copy the array in chunks first)
+            np.save(f.raw, a)
             f.truncate()
             f.flush()
             os.replace(f.name, os.path.join(self.path, name))
@@ -177,7 +179,7 @@ class SharedDecodeCache:
             except (BlockingIOError, FileNotFoundError):
                 os.close(fd)
                 continue
-            f = os.fdopen(fd, "r+b")
+            f = os.fdopen(fd, "r+b", buffering=0)
             return _Named(f, tmp)
         return None
 
@@ -209,6 +211,11 @@ class _Named:
 
     def __init__(self, f: Any, name: str) -> None:
         self._f, self.name = f, name
+
+    @property
+    def raw(self) -> Any:
+        """The file object itself (unbuffered: an ``io.FileIO``)."""
+        return self._f
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._f, attr)
