@@ -285,14 +285,33 @@ def _map_updates(
     return optree.tree_map(f, updates, params, none_is_leaf=True)
 
 
-def _flip_sign_and_l2(weight_decay: float, maximize: bool) -> GradientTransformation:
-    """Return a transformation mapping ``g`` to ``±g + weight_decay * p`` (L2 penalty, ascent)."""
-    if not maximize and weight_decay == 0.0:
-        return identity()  # dropped by chain, as in torchopt
+def _stateless(
+    update: Callable[[Updates, Params | None], Updates],
+) -> GradientTransformation:
+    """A torchopt transformation with no state (``EmptyState``) whose update is
+    ``update(updates, params)``, always out of place."""
 
     def init_fn(params: Params) -> OptState:
         del params
         return EmptyState()
+
+    def update_fn(
+        updates: Updates,
+        state: OptState,
+        *,
+        params: Params | None = None,
+        inplace: bool = True,
+    ) -> tuple[Updates, OptState]:
+        del inplace
+        return update(updates, params), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _flip_sign_and_l2(weight_decay: float, maximize: bool) -> GradientTransformation:
+    """Return a transformation mapping ``g`` to ``±g + weight_decay * p`` (L2 penalty, ascent)."""
+    if not maximize and weight_decay == 0.0:
+        return identity()  # dropped by chain, as in torchopt
 
     def leaf_fn(g: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
         g = g.neg() if maximize else g
@@ -307,23 +326,16 @@ def _flip_sign_and_l2(weight_decay: float, maximize: bool) -> GradientTransforma
             gs = torch._foreach_add(gs, ps, alpha=weight_decay)
         return gs
 
-    def update_fn(
-        updates: Updates,
-        state: OptState,
-        *,
-        params: Params | None = None,
-        inplace: bool = True,
-    ) -> tuple[Updates, OptState]:
-        del inplace
+    def update(updates: Updates, params: Params | None) -> Updates:
         if weight_decay != 0.0 and params is None:
             raise ValueError(
                 "adam(weight_decay=...).update(updates, state): weight decay needs the parameters;"
                 " call update(updates, state, params=params, inplace=False)"
             )
         p = params if weight_decay != 0.0 else None
-        return _map_updates(leaf_fn, foreach_fn, updates, p), state
+        return _map_updates(leaf_fn, foreach_fn, updates, p)
 
-    return GradientTransformation(init_fn, update_fn)
+    return _stateless(update)
 
 
 def _add_decayed_weights(
@@ -332,32 +344,20 @@ def _add_decayed_weights(
     """``torchopt.transform.add_decayed_weights`` (``g + weight_decay * p``, same state), with
     the multi-tensor fast path."""
 
-    def init_fn(params: Params) -> OptState:
-        del params
-        return EmptyState()
-
-    def update_fn(
-        updates: Updates,
-        state: OptState,
-        *,
-        params: Params | None = None,
-        inplace: bool = True,
-    ) -> tuple[Updates, OptState]:
-        del inplace
+    def update(updates: Updates, params: Params | None) -> Updates:
         if params is None:
             raise ValueError(
                 "adamw(weight_decay=...).update(updates, state): weight decay needs the "
                 "parameters; call update(updates, state, params=params, inplace=False)"
             )
-        out = _map_updates(
+        return _map_updates(
             lambda g, p: g.add(p, alpha=weight_decay),
             lambda gs, ps: torch._foreach_add(gs, ps, alpha=weight_decay),
             updates,
             params,
         )
-        return out, state
 
-    inner = GradientTransformation(init_fn, update_fn)
+    inner = _stateless(update)
     return inner if mask is None else masked(inner, mask)
 
 
@@ -365,29 +365,13 @@ def _scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """``torchopt.transform.scale`` (``g * step_size``, same state), with the multi-tensor fast
     path (a tensor ``step_size`` there: on the leaves' device, not tracked by autograd)."""
     scalars = (step_size,) if isinstance(step_size, torch.Tensor) else ()
-
-    def init_fn(params: Params) -> OptState:
-        del params
-        return EmptyState()
-
-    def update_fn(
-        updates: Updates,
-        state: OptState,
-        *,
-        params: Params | None = None,
-        inplace: bool = True,
-    ) -> tuple[Updates, OptState]:
-        del params, inplace
-        out = _map_updates(
-            lambda g: g.mul(step_size),
-            lambda gs: torch._foreach_mul(gs, step_size),
-            updates,
-            None,
-            scalars,
-        )
-        return out, state
-
-    return GradientTransformation(init_fn, update_fn)
+    return _stateless(lambda updates, params: _map_updates(
+        lambda g: g.mul(step_size),
+        lambda gs: torch._foreach_mul(gs, step_size),
+        updates,
+        None,
+        scalars,
+    ))
 
 
 def _scale_by_neg_lr(lr: ScalarOrSchedule) -> GradientTransformation:
