@@ -55,6 +55,8 @@ def _rows(x: Any, lo: int, hi: int, n: int) -> Any:
 
 
 def _concat(parts: list[Tensor | TensorDict]) -> Tensor | TensorDict:
+    if len(parts) == 1:  # one chunk: no copy
+        return parts[0]
     if isinstance(parts[0], dict):
         return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}  # type: ignore[index]
     return torch.cat(parts, 0)  # type: ignore[arg-type]
@@ -317,16 +319,11 @@ def grad_inner_products(ghost: GhostModel, loss_fn: LossFn, params: Mapping[str,
                                 query_inputs, query_targets, per_layer, chunk_size, n,
                                 projection)
     query = ghost.per_sample(params, buffers, query_inputs, query_targets, loss_fn).grads
-    if chunk_size is None or n is None or chunk_size >= n:
-        train = ghost.per_sample(params, buffers, train_inputs, train_targets, loss_fn).grads
-        return train.inner(query, per_layer=per_layer)
     parts = []
-    for lo in range(0, n, chunk_size):
-        hi = min(n, lo + chunk_size)
-        train = ghost.per_sample(params, buffers, _rows(train_inputs, lo, hi, n),
-                                 _rows(train_targets, lo, hi, n), loss_fn).grads
+    for x, y in _chunks(train_inputs, train_targets, n, chunk_size):
+        train = ghost.per_sample(params, buffers, x, y, loss_fn).grads
         parts.append(train.inner(query, per_layer=per_layer))
-        del train
+        del train  # one chunk's recorded activations alive at a time
     return _concat(parts)
 
 
