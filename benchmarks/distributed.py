@@ -9,7 +9,9 @@ the 1-process local batch / tasks / members, so the global work grows with ``W``
 Workloads (realistic, GPU-bound sizes on an H100; ``--small`` shrinks them for a CPU smoke run):
 
 - ``data_parallel``: a 8-layer pre-LN decoder (d=1024, 16 heads, vocab 8192, ~117M params),
-  8 sequences x 256 tokens per rank, Adam. Variants: ``eager`` and ``compiled``
+  12 sequences x 1024 tokens per rank (nanoGPT's per-GPU micro-batch for GPT-2 small;
+  ``--lm-batch 8x256`` gives the smaller, host-bound step measured before), Adam.
+  Variants: ``eager`` and ``compiled``
   (:func:`make_data_parallel_train_step`, bucketed all-reduce after the backward),
   ``overlap`` (eager, ``overlap_backward=True``: each parameter's all-reduce launched from
   its gradient hook during the backward), ``sharded`` and
@@ -95,7 +97,7 @@ OVERLAP_PASSES = ["reorder_communication_preserving_peak_memory", "sink_waits_it
                   "reorder_communication_preserving_peak_memory"]
 
 
-def _sizes(small: bool) -> dict[str, Any]:
+def _sizes(small: bool, lm_batch: str = "12x1024") -> dict[str, Any]:
     if small:
         return {"lm": {"vocab": 64, "d": 32, "heads": 2, "layers": 2, "seq": 16, "batch": 4},
                 "meta": {"channels": 4, "n_tasks": 2, "n_way": 5, "k_shot": 1, "n_query": 2,
@@ -103,7 +105,8 @@ def _sizes(small: bool) -> dict[str, Any]:
                 "ens": {"members": 2, "dims": (16, 32, 4), "batch": 16},
                 "dp_lm": {"vocab": 64, "d": 32, "heads": 2, "layers": 1, "seq": 8,
                           "batch": 4}}
-    return {"lm": {"vocab": 8192, "d": 1024, "heads": 16, "layers": 8, "seq": 256, "batch": 8},
+    batch, seq = (int(v) for v in lm_batch.lower().split("x"))
+    return {"lm": {"vocab": 8192, "d": 1024, "heads": 16, "layers": 8, "seq": seq, "batch": batch},
             "meta": {"channels": 64, "n_tasks": 32, "n_way": 5, "k_shot": 1, "n_query": 15,
                      "size": 28, "steps": 5},
             "ens": {"members": 32, "dims": (1024, 2048, 2048, 10), "batch": 1024},
@@ -583,12 +586,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             print(f"world {world}: {pin['threads']} CPU threads per rank"
                   f"{'' if args.no_cpu_pin else ', pinned'}", flush=True)
         result: dict[str, Any] = {
-            "bench": _bench(args.rows, world, rank, device, _sizes(args.small), args.budget_s,
-                            args.trace),
+            "bench": _bench(args.rows, world, rank, device, _sizes(args.small, args.lm_batch),
+                            args.budget_s, args.trace),
             "tf32": tf32, "inductor": inductor, "threads_per_rank": pin["threads"],
             "device_name": device_name(device)}
         if world > 1 and not args.no_comm_floor:
-            result["comm_floor"] = _comm_floor(world, device, _sizes(args.small))
+            result["comm_floor"] = _comm_floor(world, device, _sizes(args.small, args.lm_batch))
         if world > 1 and not args.no_checks:
             result["checks"] = _check(rank, world, device,
                                       not args.no_compile_check and world == max(args.worlds))
@@ -702,6 +705,9 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=6.0,
                    help="timed seconds per row and world size, about (default 6)")
     p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+    p.add_argument("--lm-batch", default="12x1024", metavar="BxT",
+                   help="data_parallel's per-rank batch: sequences x tokens (default "
+                        "%(default)s, nanoGPT's GPT-2 micro-batch; the model stays the same)")
     p.add_argument("--no-cpu-pin", action="store_true", help="do not pin ranks to CPU cores")
     p.add_argument("--no-checks", action="store_true", help="skip the float64 equality checks")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -752,7 +758,7 @@ def main() -> None:
         "tf32": first["tf32"], "inductor": first["inductor"],
         "threads": ", ".join(f"W={w}: {runs[w]['threads_per_rank']} CPU threads per rank"
                              for w in worlds) + ("" if args.no_cpu_pin else ", pinned"),
-        "sizes": _sizes(args.small),
+        "sizes": _sizes(args.small, args.lm_batch),
         "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
         "workloads": rows, "equality_float64": checks, "wall_s": time.time() - t0,
         "comm_floor": {str(w): runs[w]["comm_floor"] for w in worlds if "comm_floor" in runs[w]},
