@@ -303,6 +303,38 @@ def test_conv_ghost_form_never_materialises(monkeypatch) -> None:
     torch.testing.assert_close(got, ref, **TOL)
 
 
+@pytest.mark.parametrize("kernel", [(3, 3), (1, 1), (2, 3)])
+@pytest.mark.parametrize("stride", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("dilation", [(1, 1), (2, 1)])
+@pytest.mark.parametrize("padding", [(0, 0), (1, 2)])
+def test_conv_patches_equal_f_unfold(kernel, stride, dilation, padding) -> None:
+    """The conv rule's batched patches (one strided copy for the batch) are ``F.unfold``'s,
+    the same numbers in the same layout, also for non-contiguous inputs and an empty batch."""
+    from torchfn.persample._ghost_layers import _unfold2d
+
+    x = torch.randn(3, 4, 11, 10, dtype=F64)
+    for inp in (x, x.transpose(2, 3), x.to(memory_format=torch.channels_last), x[:0]):
+        ref = F.unfold(inp, kernel, dilation=dilation, padding=padding, stride=stride)
+        got = _unfold2d(inp, kernel, dilation, padding, stride)
+        assert got.shape == ref.shape and torch.equal(got, ref)
+
+
+def test_conv_rule_never_calls_per_sample_im2col(monkeypatch) -> None:
+    """``F.unfold`` runs one im2col kernel per sample; the conv rule forms the patches of the
+    whole batch at once, and the scores still equal the explicit dot products (float64)."""
+    from torchfn.persample import _ghost_layers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("F.unfold called")
+
+    ghost, params, buffers, xs, ys, xq, yq, loss = setup("conv_zoo")
+    ref = loop_flat(ghost, params, buffers, xs, ys, loss) @ loop_flat(
+        ghost, params, buffers, xq, yq, loss).T
+    monkeypatch.setattr(_ghost_layers.F, "unfold", refuse)
+    got = grad_inner_products(ghost, loss, params, buffers, xs, ys, xq, yq, chunk_size=2)
+    torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_inner_route_cost_rule() -> None:
     """Ghost iff B1 B2 T S (k + o) <= (B1 T + B2 S + B1 B2) o k (k, o per group)."""
     from torchfn.persample._ghost_grads import inner_route

@@ -459,7 +459,7 @@ class ConvRule(Rule):
                      for (x, _), (g,) in zip(shaped, grads, strict=True)]
             return _ConvGrouped(pairs, geometry, module.groups, weight.shape, "bias" in params)
         s, pad, d, k = geometry
-        unfolded = [F.unfold(x, k, dilation=d, padding=pad, stride=s) for x, _ in shaped]
+        unfolded = [_unfold2d(x, k, d, pad, s) for x, _ in shaped]
         if module.groups > 1:
             grouped = _grouped_per_sample(unfolded, [g.to(dtype) for (g,) in grads],
                                           module.groups, weight, "bias" in params)
@@ -470,6 +470,24 @@ class ConvRule(Rule):
         a = torch.cat(patches, 1) if len(patches) > 1 else patches[0]
         g = torch.cat(gs, 1) if len(gs) > 1 else gs[0]
         return _LinearLike(a, g, module.groups, weight.shape, "bias" in params)
+
+
+def _unfold2d(x: Tensor, kernel: tuple[int, ...], dilation: tuple[int, ...],
+              padding: tuple[int, ...], stride: tuple[int, ...]) -> Tensor:
+    """``F.unfold(x, kernel, dilation, padding, stride)``: the ``(B, C * kh * kw, L)`` patches of
+    a ``(B, C, H, W)`` input (zero padding), the same numbers in the same layout.
+
+    Formed as a strided view of the (padded) input and copied once, so the whole batch is one
+    kernel: ``F.unfold`` (im2col) runs one kernel per sample on CUDA and CPU, which for
+    thousands of small images costs more host time than the per-sample GEMMs that follow.
+    """
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel, dilation, padding, stride
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph))
+    b, c = x.shape[:2]
+    # (B, C, H_out, W_out, span_h, span_w) windows, then every dilation-th tap: (.., kh, kw)
+    v = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]
+    return v.permute(0, 1, 4, 5, 2, 3).reshape(b, c * kh * kw, v.shape[2] * v.shape[3])
 
 
 def _grouped_per_sample(unfolded: list[Tensor], grads: list[Tensor], groups: int,
