@@ -18,8 +18,10 @@ Workloads (realistic, GPU-bound sizes on an H100; ``--small`` shrinks them for a
   ``sharded-compiled`` (:func:`make_sharded_train_step`: all-gather, reduce-scatter).
 - ``meta``: second-order MAML, the 4-block conv net of ``benchmarks/meta.py`` (64 channels),
   5-way 1-shot, 15 queries, 5 inner steps, 32 tasks per rank
-  (:func:`make_distributed_meta_train_step`). ``compiled`` is opt-in: Inductor needs
-  160-300 s per process for this graph (``benchmarks/results/meta-h100.md``).
+  (:func:`make_distributed_meta_train_step`). ``inner``: the same with ``compile="inner"``
+  (inner step and query loss compiled once each, convs unfolded by default; about a minute
+  of Inductor per process). ``compiled`` is opt-in: Inductor needs 160-300 s per process for
+  the whole unrolled graph (``benchmarks/results/meta-h100.md``).
 - ``ensemble``: 32 MLP members per rank (1024-2048-2048-10), 1024 examples per member, Adam
   (:func:`make_ensemble_train_step` on this rank's members; no communication).
 - ``dpsgd``: ghost-clipped DP-SGD (:class:`DistributedDPStep`) on a 4-layer pre-LN decoder
@@ -88,7 +90,7 @@ from torchfn.persample import PoissonSampler, init_dp_state, make_dp_train_step,
 
 F64 = torch.float64
 VARIANTS = {"data_parallel": ("eager", "overlap", "compiled", "sharded", "sharded-compiled"),
-            "meta": ("eager", "compiled"), "ensemble": ("eager", "compiled"),
+            "meta": ("eager", "inner", "compiled"), "ensemble": ("eager", "compiled"),
             "dpsgd": ("eager", "compiled", "sharded")}
 # meta compiled is opt-in (minutes of Inductor per process); sharded-compiled too (budget)
 DEFAULT_ROWS = ("data_parallel:eager,data_parallel:overlap,data_parallel:compiled,data_parallel:sharded,meta:eager,"
@@ -215,8 +217,10 @@ def _row_meta(variant: str, world: int, rank: int, device: torch.device, sz: dic
     state = init_meta_state(learner, params, buffers, opt)
     tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"], cfg["size"],
                        device, torch.float32)
-    step = (tdist.make_distributed_meta_train_step(learner, opt) if world > 1
-            else make_meta_train_step(learner, opt))
+    # inner: the step compiles its inner step and query loss once each (compile="inner")
+    kw = {"compile": "inner"} if variant == "inner" else {}
+    step = (tdist.make_distributed_meta_train_step(learner, opt, **kw) if world > 1
+            else make_meta_train_step(learner, opt, **kw))
     if variant == "compiled":
         step = _compile(step)
     info = {"unit": "tasks/s", "local_tasks": cfg["n_tasks"], "inner_steps": cfg["steps"],
@@ -301,6 +305,7 @@ def _measure(fn: Callable[[Any], Any], state: Any, device: torch.device, distrib
     t = time_calls(call, device, warmup=3, repeats=5, inner=inner,
                    before_repeats=dist.barrier if distributed else None)
     return {"step_ms": 1e3 * slowest(t.median_s), "first_call_s": slowest(probe.first_call_s),
+            "fastest_rank_step_ms": -1e3 * slowest(-t.median_s),
             "steps_per_repeat": inner,
             # (max - min) / median of the repeats: a large spread flags an unsteady row
             "spread": slowest((max(t.times_s) - min(t.times_s)) / t.median_s)}
@@ -572,6 +577,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     if not args.no_cpu_pin:
         os.sched_setaffinity(0, pin["cores"])
     torch.set_num_threads(pin["threads"])
+    if args.gc == "off":
+        import gc
+
+        gc.disable()
     tf32 = set_tf32_off()
     inductor = _set_overlap(args.overlap)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -710,6 +719,9 @@ def main() -> None:
                         "%(default)s, nanoGPT's GPT-2 micro-batch; the model stays the same)")
     p.add_argument("--no-cpu-pin", action="store_true", help="do not pin ranks to CPU cores")
     p.add_argument("--no-checks", action="store_true", help="skip the float64 equality checks")
+    p.add_argument("--gc", choices=("on", "off"), default="on",
+                   help="off: Python's cyclic garbage collector disabled in every rank (is a "
+                        "straggling rank's collection what a step waits for?)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after timing, profile 3 steps of every row (CPU + CUDA) into "
                         "DIR/<workload>-<variant>-W<w>-rank<r>.json (Chrome traces) and "
