@@ -10,11 +10,11 @@ renamed; the column list last), so a reader sees a unit whole or not at all. A p
 evicts a unit from its own LRU deletes its column list and renames its column files into a
 pool of free files, the ``free`` subdirectory (one that looks for the unit later decodes
 again); the next unit written overwrites a free file instead of a new one, so its
-shared-memory pages are reused rather than allocated and zero-filled (the cost that dominates writing a decoded row group). A
-reader share-locks (``flock``) each file it maps for as long as the map lives, and a writer
-takes a free file only under an exclusive lock it gets at once, so no file is overwritten
-while a process still maps it. The directory is removed when the process that created the
-source exits or drops it.
+shared-memory pages are reused rather than allocated and zero-filled (the cost that
+dominates writing a decoded row group). A reader share-locks (``flock``) each file it maps
+for as long as the map lives, and a writer takes a free file only under an exclusive lock
+it gets at once, so no file is overwritten while a process still maps it. The directory is
+removed when the process that created the source exits or drops it.
 """
 
 from __future__ import annotations
