@@ -619,6 +619,40 @@ def test_parquet_workers_share_decoded_row_groups(tmp_path, monkeypatch):
     assert n // group <= reads[True] < 2 * (n // group)  # shared: (about) once in all
 
 
+class _ReadInWorker(torch.utils.data.IterableDataset):
+    """Reads ``ids`` from ``src`` in a DataLoader worker; yields what the worker then holds."""
+
+    def __init__(self, src, ids):
+        self.src, self.ids = src, ids
+
+    def __iter__(self):
+        x = self.src.read(self.ids)["x"].clone()
+        yield {"x": x, "cached": sorted(self.src._cache), "own": self.src._pid == os.getpid(),
+               "files": sorted(self.src.__dict__.get("_pfiles", {}))}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_parquet_worker_starts_its_own_cache_and_files(tmp_path, shared):
+    """A forked worker does not inherit the row groups (and open files) its parent decoded
+    for itself: it would evict them from the shared cache as if it had shared them."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    x = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    for k in range(2):
+        pq.write_table(pa.table({"x": pa.array(list(x[16 * k:16 * k + 16]),
+                                               type=pa.list_(pa.float32()))}),
+                       tmp_path / f"{k}.parquet", row_group_size=8)
+    src = ParquetSource(tmp_path, shared_cache=shared)
+    assert np.array_equal(src.read([0, 9, 20])["x"].numpy(), x[[0, 9, 20]])  # parent: 0, 1, 2
+    assert sorted(src._cache) == [0, 1, 2] and sorted(src._pfiles) == [0, 1]
+    (got,) = list(DataLoader(_ReadInWorker(src, [30, 31]), batch_size=None, num_workers=1))
+    assert np.array_equal(got["x"].numpy(), x[[30, 31]])
+    assert got["cached"] == [3] and got["own"] and got["files"] == [1]
+    assert sorted(src._cache) == [0, 1, 2]  # the parent's own cache is untouched
+    assert np.array_equal(src.read([31, 1])["x"].numpy(), x[[31, 1]])
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_parquet_prefetch_decodes_ahead_and_reads_the_same(tmp_path, monkeypatch, shared):
     pa = pytest.importorskip("pyarrow")
@@ -751,16 +785,19 @@ def test_shared_decode_cache_recycles_files_only_once_unmapped():
 
     path = cache.path
 
-    def files():
-        return sorted(e for e in os.listdir(path) if e.endswith(".npy"))
+    def files():  # the free pool's files as "free/..."
+        pool = os.path.join(path, "free")
+        free = sorted(os.listdir(pool)) if os.path.isdir(pool) else []
+        return sorted([e for e in os.listdir(path) if e.endswith(".npy")]
+                      + [f"free/{e}" for e in free])
 
     cache.get(0, ["a"], unit(0))
     mapped = cache.get(0, ["a"], unit(-1))["a"]  # a reader's map of unit 0 (share-locked)
     assert mapped.tolist() == np.full((3, 4), 0.0).tolist()
     cache.evict(0, ["a"])  # its file goes to the free pool, still mapped
-    assert [f.startswith("free-") for f in files()] == [True]
+    assert [f.startswith("free/") for f in files()] == [True]
     cache.get(1, ["a"], unit(1))  # must not overwrite the mapped file: a new one
-    assert sorted(f.startswith("free-") for f in files()) == [False, True]
+    assert sorted(f.startswith("free/") for f in files()) == [False, True]
     assert mapped.tolist() == np.full((3, 4), 0.0).tolist()
     del mapped
     gc.collect()  # the map closes: the lock goes with it

@@ -143,6 +143,20 @@ class _ArrowSource:
         self._cache: OrderedDict[int, tuple[Any, dict[str, np.ndarray | None]]] = OrderedDict()
         self._ahead: dict[int, Any] = {}  # unit -> Future of its decode (``prefetch``)
         self._pool: tuple[int, Any] | None = None  # (pid, executor) of the decode-ahead thread
+        self._pid: int | None = os.getpid()  # the process the cache and open files belong to
+
+    def _own(self) -> None:
+        """Starts a process's own cache and open files when it is not the one that filled them
+        (a forked DataLoader worker inherits its parent's: row groups the parent decoded for
+        itself, which this process would otherwise evict from the shared cache as if it had
+        shared them, and file objects whose descriptors it shares with the parent)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._cache, self._ahead, self._pool = OrderedDict(), {}, None
+            self._forget_files()
+
+    def _forget_files(self) -> None:
+        pass
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -184,6 +198,7 @@ class _ArrowSource:
 
     def _prefetch(self, ids: Any) -> None:
         """Starts decoding the units of ``ids`` in a background thread (see ``prefetch``)."""
+        self._own()
         ids = _as_ids(ids)
         if not ids.size:
             return
@@ -208,6 +223,7 @@ class _ArrowSource:
                 self._ahead[u] = self._pool[1].submit(self._decode_ahead, u)
 
     def read(self, ids: Any) -> dict[str, Any]:
+        self._own()
         ids = _as_ids(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"{self._who}.read: ids must lie in [0, {len(self)})")
@@ -260,7 +276,8 @@ class _ArrowSource:
         return {k: v[0] for k, v in self.read([i]).items()}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": OrderedDict(), "_ahead": {}, "_pool": None}
+        return {**self.__dict__, "_cache": OrderedDict(), "_ahead": {}, "_pool": None,
+                "_pid": None}
 
 
 _OPEN_FILES = 32  # Parquet files a process keeps open (at least cache_units)
@@ -416,6 +433,10 @@ class ParquetSource(_ArrowSource):
         # one thread: a DataLoader's workers already keep the cores busy
         return pf.read_row_group(g, columns=self.columns, use_threads=False)
 
+    def _forget_files(self) -> None:
+        self.__dict__.pop("_pfiles", None)
+        self.__dict__.pop("_pfiles_ahead", None)
+
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_pfiles": OrderedDict(),
                 "_pfiles_ahead": OrderedDict()}
@@ -505,4 +526,5 @@ class HFDiskSource(_ArrowSource):
         return f"HFDiskSource({len(self)} rows in {len(self.files)} Arrow files)"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": OrderedDict(), "_tables": [None] * len(self.files)}
+        return {**self.__dict__, "_cache": OrderedDict(), "_tables": [None] * len(self.files),
+                "_pid": None}

@@ -8,13 +8,13 @@ that needs unit ``u`` takes ``u``'s file lock, decodes it and writes its numeric
 and memory-map those files. Files appear atomically (written to a temporary name, then
 renamed; the column list last), so a reader sees a unit whole or not at all. A process that
 evicts a unit from its own LRU deletes its column list and renames its column files into a
-pool of free files (one that looks for the unit later decodes again); the next unit written
-overwrites a free file instead of a new one, so its shared-memory pages are reused rather
-than allocated and zero-filled (the cost that dominates writing a decoded row group). A
-reader share-locks (``flock``) each file it maps for as long as the map lives, and a writer
-takes a free file only under an exclusive lock it gets at once, so no file is overwritten
-while a process still maps it. The directory is removed when the process that created the
-source exits or drops it.
+pool of free files, the ``free`` subdirectory (one that looks for the unit later decodes
+again); the next unit written overwrites a free file instead of a new one, so its
+shared-memory pages are reused rather than allocated and zero-filled (the cost that
+dominates writing a decoded row group). A reader share-locks (``flock``) each file it maps
+for as long as the map lives, and a writer takes a free file only under an exclusive lock
+it gets at once, so no file is overwritten while a process still maps it. The directory is
+removed when the process that created the source exits or drops it.
 """
 
 from __future__ import annotations
@@ -162,10 +162,13 @@ class SharedDecodeCache:
         """Returns an evicted file no process maps (exclusively locked, renamed to a temporary
         name, opened for writing), or None."""
         assert self.path is not None
-        for entry in os.listdir(self.path):
-            if not entry.startswith("free-"):
-                continue
-            path = os.path.join(self.path, entry)
+        free = os.path.join(self.path, "free")
+        try:
+            entries = os.listdir(free)
+        except FileNotFoundError:
+            return None
+        for entry in entries:
+            path = os.path.join(free, entry)
             try:
                 fd = os.open(path, os.O_RDWR)
             except FileNotFoundError:
@@ -191,15 +194,23 @@ class SharedDecodeCache:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.path, f"{unit}.json"))
+        # the free files in a directory of their own: counting them lists only them
+        pool = os.path.join(self.path, "free")
         try:
-            free = sum(e.startswith("free-") for e in os.listdir(self.path))
+            free = len(os.listdir(pool))
         except FileNotFoundError:
-            return
+            try:
+                os.mkdir(pool)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:  # the whole directory is gone
+                return
+            free = 0
         for i in range(len(columns)):
             path = os.path.join(self.path, f"{unit}-{i}.npy")
             with contextlib.suppress(FileNotFoundError):
                 if free < self.free_files:
-                    os.replace(path, os.path.join(self.path, f"free-{uuid.uuid4().hex}.npy"))
+                    os.replace(path, os.path.join(pool, f"{uuid.uuid4().hex}.npy"))
                     free += 1
                 else:
                     os.unlink(path)
