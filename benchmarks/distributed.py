@@ -54,7 +54,7 @@ gloo on the CPU; NCCL's environment is left as the machine has it.
 
 Run::
 
-    python benchmarks/distributed.py --out benchmarks/results/distributed-h100x2.json   # GPUs
+    python benchmarks/distributed.py --out benchmarks/results/distributed-h200x4.json   # GPUs
     python benchmarks/distributed.py --small --device cpu --out /tmp/dist.json           # smoke
 """
 
