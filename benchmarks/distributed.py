@@ -627,6 +627,27 @@ def _spawn(world: int, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One world size run in several fresh process groups -> per row, the median process's record.
+
+    Each row keeps the record (step time, throughput, ...) of the run whose step time is the
+    median over the runs (the lower one for an even count) and lists every run's step time in
+    ``step_ms_processes``; checks, comm floor and the rest come from the first run.
+    """
+    merged = dict(results[0])
+    bench = {}
+    for name, rec in results[0]["bench"].items():
+        recs = [r["bench"].get(name, {}) for r in results]
+        timed = sorted((r for r in recs if "step_ms" in r), key=lambda r: r["step_ms"])
+        if not timed:
+            bench[name] = rec
+            continue
+        bench[name] = {**timed[(len(timed) - 1) // 2],
+                       "step_ms_processes": [r.get("step_ms") for r in recs]}
+    merged["bench"] = bench
+    return merged
+
+
 def _parse_rows(text: str) -> list[tuple[str, str]]:
     rows = []
     for item in text.split(","):
@@ -646,13 +667,17 @@ def _markdown(report: dict[str, Any], worlds: list[int]) -> str:
              f"- TF32 off ({report['tf32']}); {report['threads']}",
              f"- Compiled rows: `torch.compile(fullgraph=True)`, Inductor settings "
              f"{report['inductor'] or '(defaults)'}",
-             f"- Timing: wall clock, median of 3 repeats of N steps (N sized to about "
-             f"{report['budget_s'] / 4:g} s per repeat), slowest rank; efficiency(W) = "
-             f"throughput(W) / (W x throughput(1)), every rank keeping the 1-process work.", "",
+             f"- Timing: wall clock, median of 5 repeats of N steps (N sized to about "
+             f"{report['budget_s'] / 4:g} s per repeat), slowest rank"
+             + (f", median over {report['process_repeats']} fresh process groups per world "
+                f"size" if report.get("process_repeats", 1) > 1 else "")
+             + "; efficiency(W) = "
+             "throughput(W) / (W x throughput(1)), every rank keeping the 1-process work.", "",
              "| workload | variant | unit | " + " | ".join(f"thr W={w}" for w in worlds)
              + " | " + " | ".join(f"eff W={w}" for w in others) + " | step ms ("
              + " / ".join(str(w) for w in worlds) + ") | first call s |",
              "|---|---|---|" + "---:|" * (len(worlds) + len(others) + 2)]
+    per_process: list[str] = []
     for name, r in report["workloads"].items():
         workload, variant = name.split(":")
         per = r["by_world"]
@@ -666,6 +691,14 @@ def _markdown(report: dict[str, Any], worlds: list[int]) -> str:
         first = max((v.get("first_call_s", 0.0) for v in per.values()), default=0.0)
         lines.append(f"| {workload} | {variant} | {unit} | " + " | ".join(thr) + " | "
                      + " | ".join(eff) + f" | {ms} | {first:.1f} |")
+        spread = [f"W={w}: " + ", ".join(f"{t:.1f}" for t in per[str(w)]["step_ms_processes"]
+                                         if t is not None)
+                  for w in worlds if len(per[str(w)].get("step_ms_processes", ())) > 1]
+        if spread:
+            per_process.append(f"- {name}: " + "; ".join(spread))
+    if per_process:
+        lines += ["", "Step ms of each fresh process group (the median one is in the table):",
+                  *per_process]
     errors = [f"- {name} W={w}: {v['error']}" for name, r in report["workloads"].items()
               for w, v in r["by_world"].items() if "error" in v]
     if errors:
@@ -731,7 +764,14 @@ def main() -> None:
                         "reduce-scatter of each model's parameter bytes)")
     p.add_argument("--no-compile-check", action="store_true",
                    help="skip the compiled data-parallel equality check")
+    p.add_argument("--process-repeats", type=int, default=1, metavar="N",
+                   help="run every world size in N fresh process groups and keep, per row, "
+                        "the median one (steps whose time varies from process to process, "
+                        "e.g. eager MAML's cuDNN convolutions; checks, comm floor and traces "
+                        "only in the first)")
     args = p.parse_args()
+    if args.process_repeats < 1:
+        p.error(f"--process-repeats: expected >= 1, got {args.process_repeats}")
     args.rows = _parse_rows(args.rows)
     n_dev = torch.cuda.device_count() if args.device == "cuda" else 2
     if args.world is None:
@@ -747,7 +787,10 @@ def main() -> None:
     runs = {}
     for w in worlds:
         print(f"== world {w} ({time.time() - t0:.0f}s)", flush=True)
-        runs[w] = _spawn(w, args)
+        again = argparse.Namespace(**{**vars(args), "no_checks": True, "no_comm_floor": True,
+                                      "trace": None})
+        runs[w] = _median_run([_spawn(w, args if i == 0 else again)
+                               for i in range(args.process_repeats)])
     rows = {}
     for name in runs[1]["bench"]:
         by_world = {str(w): runs[w]["bench"][name] for w in worlds}
@@ -767,6 +810,7 @@ def main() -> None:
         "device": first["device_name"], "backend": "nccl" if args.device == "cuda" else "gloo",
         "torch": torch.__version__, "small": args.small, "worlds": worlds,
         "command": "python " + " ".join(sys.argv), "budget_s": args.budget_s,
+        "process_repeats": args.process_repeats,
         "tf32": first["tf32"], "inductor": first["inductor"],
         "threads": ", ".join(f"W={w}: {runs[w]['threads_per_rank']} CPU threads per rank"
                              for w in worlds) + ("" if args.no_cpu_pin else ", pinned"),
