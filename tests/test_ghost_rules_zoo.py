@@ -105,6 +105,36 @@ def test_hf_conv1d_gets_the_transposed_linear_rule() -> None:
     assert kinds == {"0": "linear", "2": "linear"}
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_weighted_sum_in_the_weight_layout_compiled_equals_reference(backend: str) -> None:
+    """Book-keeping sums of ``Conv1D`` (``(d_in, d_out)`` weight) and ``nn.Linear`` layers,
+    wider and narrower than their inputs (the coefficient goes into the narrower of ``a`` and
+    ``g``), sequences and single positions: eager and compiled equal the weighted sum of the
+    loop's per-sample gradients (float64), and every sum is contiguous in the weight's own
+    layout (no transposed view left for the noise add, guard and update to read column-wise).
+    """
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    torch.manual_seed(0)
+    net = nn.Sequential(pytorch_utils.Conv1D(7, 3), nn.Tanh(), pytorch_utils.Conv1D(2, 7),
+                        nn.Tanh(), nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 3)).to(F64)
+    ghost, params, buffers = make_ghost_model(net)
+    coef = torch.rand(B, dtype=F64) + 0.1
+    for x, y in [(torch.randn(B, 4, 3, dtype=F64), torch.randn(B, 4, 3, dtype=F64)),
+                 (torch.randn(B, 3, dtype=F64), torch.randn(B, 3, dtype=F64))]:
+        ref = loop_grads(ghost, params, buffers, x, y, sq_loss)
+
+        def step(params, buffers, x, y):
+            return ghost.per_sample(params, buffers, x, y, sq_loss).grads.weighted_sum(coef)
+
+        eager = step(params, buffers, x, y)
+        compiled = torch.compile(step, fullgraph=True, backend=backend)(params, buffers, x, y)
+        for k in params:
+            expect = torch.tensordot(coef, ref[k], dims=1)
+            for got in (eager[k], compiled[k]):
+                torch.testing.assert_close(got, expect, **TOL, msg=k)
+                assert got.is_contiguous(), (k, got.stride())
+
+
 class GPT2Wrap(nn.Module):
     """HF GPT-2 LM with position ids expanded to the batch (ghost layers need batch dim 0)."""
 

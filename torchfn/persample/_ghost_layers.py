@@ -208,12 +208,12 @@ class _LinearLike(Prepared):
         c = _coef(coef, self.a)
         if self._kept is not None:
             w = torch.tensordot(c, self._kept, dims=1)
-        elif self.groups == 1:
-            w = _weighted_gemm(self.a, self.g, c)
+        elif self.groups == 1:  # transposed (HF Conv1D): the GEMM gives (d_in, d_out) itself
+            w = _weighted_gemm(self.a, self.g, c, self.transposed)
         else:
             a, g = self._grouped()
             w = torch.einsum("btgo,btgk->gok", g * c[:, None, None, None], a)
-        if self.transposed:
+        if self.transposed and (self._kept is not None or self.groups != 1):
             w = w.transpose(-1, -2)
         out = {"weight": w.reshape(self.weight_shape)}
         if self.bias:
@@ -241,17 +241,27 @@ def _fp32_matmul_is_highest() -> bool:
     return torch.get_float32_matmul_precision() == "highest"
 
 
-def _weighted_gemm(a: Tensor, g: Tensor, c: Tensor) -> Tensor:
-    """``sum_i c_i g_i^T a_i``: torchfn's op (its kernel) eagerly; one GEMM when compiling.
+def _weighted_gemm(a: Tensor, g: Tensor, c: Tensor, transposed: bool = False) -> Tensor:
+    """``sum_i c_i g_i^T a_i`` (``(d_out, d_in)``), or with ``transposed`` its transpose
+    ``sum_i c_i a_i^T g_i`` (``(d_in, d_out)``, HF ``Conv1D``'s weight layout) computed as such.
 
-    Under ``torch.compile`` the op runs its reference twin, a three-operand einsum that
-    Inductor lowers to a batched GEMM materialising ``(B, d_out, d_in)``; scaling ``g`` first
-    makes it a single ``(B T, d_out)^T (B T, d_in)`` GEMM.
+    Eagerly torchfn's op (its kernel; the transposed sum is the op with ``a`` and ``g``
+    swapped). Under ``torch.compile`` one ``(B T, .)^T (B T, .)`` GEMM with ``c`` folded into
+    the narrower of ``a`` and ``g`` (the scaled copy is written and read by the GEMM: for
+    GPT-2's tied ``lm_head``, ``d_out`` = 50257 and ``d_in`` = 768). Producing the weight's own
+    layout keeps the clipped sum contiguous: a transposed view would make every later pass
+    over it (the noise add, the non-finite guard's norm, the optimizer update) read it
+    column-wise.
     """
     if not torch.compiler.is_compiling():
-        return clipped_linear_grad_sum(a, g, c)
-    scaled = g * c.reshape(-1, *([1] * (g.dim() - 1)))
-    return scaled.reshape(-1, g.shape[-1]).transpose(0, 1) @ a.reshape(-1, a.shape[-1])
+        return clipped_linear_grad_sum(g, a, c) if transposed else clipped_linear_grad_sum(a, g, c)
+    scale = c.reshape(-1, *([1] * (g.dim() - 1)))
+    if a.shape[-1] <= g.shape[-1]:
+        a = a * scale
+    else:
+        g = g * scale
+    a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+    return a2.transpose(0, 1) @ g2 if transposed else g2.transpose(0, 1) @ a2
 
 
 def _as_time(x: Tensor, batch: int) -> Tensor:
