@@ -12,6 +12,7 @@ from torchfn.data._fsio import RemoteNpy as RemoteNpy
 from torchfn.data._plan import Plan as Plan
 from torchfn.data._plan import global_order as global_order
 from torchfn.data._plan import plan as plan
+from torchfn.data._pqdecode import CorruptParquetError as CorruptParquetError
 from torchfn.data._prefetch import DevicePrefetcher as DevicePrefetcher
 from torchfn.data._prefetch import prefetch_to_device as prefetch_to_device
 from torchfn.data._samplers import ClassBalancedSampler as ClassBalancedSampler
@@ -45,6 +46,7 @@ __all__ = [
     "AuditReport",
     "Auditor",
     "ClassBalancedSampler",
+    "CorruptParquetError",
     "CorruptShardError",
     "DataInfo",
     "DataStats",

@@ -17,6 +17,7 @@ import torch
 
 from ._alloc import batch_tensor, empty_batch, gather_rows
 from ._fsio import is_url, open_binary
+from ._pqdecode import FastReader
 from ._shmcache import SharedDecodeCache
 from ._sources import _as_ids, _digest, _expand, collate_values
 
@@ -316,6 +317,13 @@ class ParquetSource(_ArrowSource):
     worker's thread skips row groups another worker is decoding, so the workers split the
     decoding between them instead of waiting on each other.
 
+    Local files: columns of numbers, or of lists of numbers (one level), without nulls or
+    empty lists, PLAIN or dictionary encoded, are decoded straight from a memory map of the
+    file (``_pqdecode.py``: the rows' starts read from the repetition levels run by run rather
+    than value by value); pages that carry a CRC32 are checked (``CorruptParquetError``
+    naming the file, row group and column). Other columns are read with pyarrow; the values
+    are the same either way.
+
     ``paths``: a file, a directory (its ``*.parquet``), a glob, or a list (local paths or
     fsspec URLs, e.g. ``memory://``, ``s3://``; URLs need ``fsspec``). ``columns``: the
     fields (default all but ``label_column``); ``label_column``: an integer column that becomes
@@ -426,10 +434,15 @@ class ParquetSource(_ArrowSource):
         pf = pfiles.get(f)
         if pf is None:  # footers parsed once per file per process (some files kept open:
             # a shuffled epoch visits the row groups of many files in turn)
-            pf = pfiles[f] = _parquet_file(pa, self.files[f])
+            path = self.files[f]
+            pf = pfiles[f] = _parquet_file(pa, path)
+            if not is_url(path):  # numbers and lists of numbers decoded from a memory map
+                pf = pfiles[f] = FastReader(pa, pf, path, self.columns)
             while len(pfiles) > max(self.cache_units, _OPEN_FILES):
                 pfiles.popitem(last=False)
         pfiles.move_to_end(f)
+        if isinstance(pf, FastReader):
+            return pf.read_row_group(pa, g, self.columns)
         # one thread: a DataLoader's workers already keep the cores busy
         return pf.read_row_group(g, columns=self.columns, use_threads=False)
 
