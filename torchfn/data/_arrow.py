@@ -42,7 +42,16 @@ def _arrow_numpy(col: Any, pa: Any) -> np.ndarray | None:
     numbers (or nested lists of numbers of one shape) without nulls, read from Arrow's flat
     value buffer (zero-copy where Arrow allows: then read-only); else None."""
     if hasattr(col, "combine_chunks"):  # a ChunkedArray
-        col = col.combine_chunks()
+        chunks = [c for c in col.chunks if len(c)]
+        if len(chunks) > 1:  # each chunk zero-copy, then one numpy concatenation
+            parts = [_arrow_numpy(c, pa) for c in chunks]
+            if any(a is None for a in parts) or len({(a.shape[1:], a.dtype)
+                                                     for a in parts}) != 1:  # type: ignore[union-attr]
+                return None
+            return np.concatenate(parts)  # type: ignore[arg-type]
+        # one chunk: used as is (``combine_chunks`` would copy it, into pyarrow's memory
+        # pool: in a forked DataLoader worker those are copy-on-write pages of the parent)
+        col = chunks[0] if chunks else col.combine_chunks()
     n, shape, cur = len(col), [], col
     while (pa.types.is_list(cur.type) or pa.types.is_large_list(cur.type)
            or pa.types.is_fixed_size_list(cur.type)):
