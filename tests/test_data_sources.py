@@ -769,6 +769,62 @@ def test_shared_decode_cache_skips_a_unit_being_decoded_elsewhere():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the shared decode cache needs fcntl")
+def test_shared_decode_cache_publishes_what_was_decoded_into_its_files():
+    import gc
+
+    from torchfn.data._shmcache import SharedDecodeCache
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    cache = SharedDecodeCache(owner, "test")
+    path = cache.path
+    want = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+    def into(alloc):  # as the fast decoder does: "a" written into the cache's file
+        a = alloc("a", (3, 4), np.float32)
+        a[...] = want
+        b = alloc("b", (3,), np.int64)  # not used: its file is discarded, "b" written
+        assert b is not None
+        return {"a": a.reshape(3, 4), "b": np.arange(3), "s": None}
+
+    def temps():
+        return [e for e in os.listdir(path) if e.endswith(".tmp")]
+
+    got = cache.get(0, ["a", "b", "s"], into, into=True)
+    assert np.array_equal(got["a"], want) and not temps()
+    mapped = cache.get(0, ["a", "b", "s"], lambda alloc: 1 / 0, into=True)  # a reader
+    assert np.array_equal(mapped["a"], want) and mapped["b"].tolist() == [0, 1, 2]
+    assert mapped["s"] is None and mapped["a"].dtype == np.float32
+    cache.evict(0, ["a", "b", "s"])
+    assert len(os.listdir(os.path.join(path, "free"))) == 2
+    del got, mapped
+    gc.collect()  # unmapped: the free files can be recycled
+
+    def fails(alloc):
+        alloc("a", (3, 4), np.float32)
+        raise RuntimeError("decode failed")
+
+    with pytest.raises(RuntimeError, match="decode failed"):
+        cache.get(1, ["a"], fails, into=True)
+    assert not temps() and not os.path.exists(os.path.join(path, "1.json"))
+
+    def recycled(alloc):  # into a recycled file (its old values overwritten)
+        a = alloc("a", (2, 2), np.float64)
+        a[...] = [[1.5, 2.5], [3.5, 4.5]]
+        return {"a": a}
+
+    cache.get(2, ["a"], recycled, into=True)
+    got = cache.get(2, ["a"], lambda alloc: 1 / 0, into=True)
+    assert got["a"].tolist() == [[1.5, 2.5], [3.5, 4.5]] and not got["a"].flags.writeable
+    assert sorted(e for e in os.listdir(path) if e.endswith(".npy")) == ["2-0.npy"]
+    del owner, cache, got
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the shared decode cache needs fcntl")
 def test_shared_decode_cache_recycles_files_only_once_unmapped():
     import gc
 

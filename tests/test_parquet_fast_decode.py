@@ -253,6 +253,16 @@ def test_fast_reader_matches_pyarrow(tmp_path_factory, seed, n, dtype, kind, few
             got = reader.read_row_group(pa, g, cols)
             want = pf.read_row_group(g, columns=cols, use_threads=False)
             assert got.schema.equals(want.schema) and got.equals(want), (g, cols)
+            placed = {}
+
+            def alloc(c, shape, dtype, placed=placed):  # destinations full of garbage
+                placed[c] = np.full(shape, 7, dtype)
+                return placed[c]
+
+            got = reader.read_row_group(pa, g, cols, alloc)  # decoded into the destinations
+            assert got.schema.equals(want.schema) and got.equals(want), (g, cols)
+            if "k" in reader.plan and "k" in cols:
+                assert np.shares_memory(got.column("k").chunks[0].to_numpy(), placed["k"])
     # pyarrow's "lz4" is Hadoop-framed LZ4 (codec LZ4, not LZ4_RAW): left to pyarrow
     direct = pf.metadata.row_group(0).column(0).compression != "LZ4"
     assert ("k" in reader.plan) == direct  # int64 without nulls

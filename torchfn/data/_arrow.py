@@ -391,11 +391,12 @@ class ParquetSource(_ArrowSource):
         if shared is None:
             return super()._decode_unit(unit)
         pa = _pyarrow(self._who)
-        def decode() -> dict[str, np.ndarray | None]:
-            table = self._table(unit)
+        def decode(alloc: Any) -> dict[str, np.ndarray | None]:
+            # the fast decoder writes the values straight into the shared files (``alloc``)
+            table = self._table(unit, alloc=alloc)
             return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
 
-        arrays = shared.get(unit, self.columns, decode)
+        arrays = shared.get(unit, self.columns, decode, into=True)
         assert arrays is not None
         return None, arrays  # the table is read again only for columns not shared (strings)
 
@@ -420,15 +421,15 @@ class ParquetSource(_ArrowSource):
         # own open files (a ParquetFile is not shared between threads); with the shared cache
         # a unit another process is decoding is skipped (the reader maps it when it needs it)
         pa = _pyarrow(self._who)
-        def decode() -> dict[str, np.ndarray | None]:
-            table = self._table(unit, "_pfiles_ahead")
+        def decode(alloc: Any) -> dict[str, np.ndarray | None]:
+            table = self._table(unit, "_pfiles_ahead", alloc)
             return {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
 
         shared = self._sharing()
         if shared is None:
             table = self._table(unit, "_pfiles_ahead")
             return table, {c: _arrow_numpy(table.column(c), pa) for c in self.columns}
-        arrays = shared.get(unit, self.columns, decode, wait=False)
+        arrays = shared.get(unit, self.columns, decode, wait=False, into=True)
         return None if arrays is None else (None, arrays)
 
     def _evicted(self, unit: int) -> None:
@@ -436,7 +437,8 @@ class ParquetSource(_ArrowSource):
         if shared is not None:
             shared.evict(unit, self.columns)
 
-    def _table(self, unit: int, files: str = "_pfiles") -> Any:
+    def _table(self, unit: int, files: str = "_pfiles", alloc: Any = None) -> Any:
+        # ``alloc``: where the fast decoder puts a column's values (``SharedDecodeCache.get``)
         pa = _pyarrow(self._who)
         f, g = self._units[unit]
         pfiles = self.__dict__.setdefault(files, OrderedDict())
@@ -451,7 +453,7 @@ class ParquetSource(_ArrowSource):
                 pfiles.popitem(last=False)
         pfiles.move_to_end(f)
         if isinstance(pf, FastReader):
-            return pf.read_row_group(pa, g, self.columns)
+            return pf.read_row_group(pa, g, self.columns, alloc)
         # one thread: a DataLoader's workers already keep the cores busy
         return pf.read_row_group(g, columns=self.columns, use_threads=False)
 

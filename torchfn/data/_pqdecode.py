@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -400,15 +401,34 @@ def _check_crc(info: ChunkInfo, page: Any, header: dict[int, Any], at: int) -> N
         )
 
 
-def decode_chunk(pa: Any, data: Any, info: ChunkInfo) -> tuple[np.ndarray, np.ndarray | None]:
+def decode_chunk(pa: Any, data: Any, info: ChunkInfo,
+                 dest: Callable[[tuple[int, ...], np.dtype], np.ndarray | None] | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Returns a column chunk's ``(num_values,)`` values (its physical type) and, for a list
     column (``max_rep == 1``), the ``(num_rows + 1,)`` int64 offsets of its rows; ``data`` is
     the chunk's bytes. Raises ``_Unsupported`` for what it does not decode (the caller reads
-    the chunk with pyarrow) and ``CorruptParquetError`` when a page fails its CRC32."""
+    the chunk with pyarrow) and ``CorruptParquetError`` when a page fails its CRC32.
+
+    ``dest(shape, dtype)``: asked once, before decoding, for a C-contiguous array to decode
+    the values into, ``shape`` the column as numpy would hold it when each row has the same
+    length: ``(num_rows,)``, or ``(num_rows, num_values // num_rows)`` for a list column (its
+    rows' lengths are checked only later, by the caller); None: the values are gathered into
+    an array of their own. The values returned are then that array, flattened."""
     dtype = _DTYPES.get(info.physical_type)
     if (dtype is None or info.codec not in _CODECS or info.max_rep > 1
             or len(data) != info.size):
         raise _Unsupported("type, codec or nesting")
+    flat = None  # the destination's values, when there is one
+    if dest is not None and info.num_rows > 0 and info.num_values % info.num_rows == 0:
+        shape = ((info.num_rows,) if not info.max_rep
+                 else (info.num_rows, info.num_values // info.num_rows))
+        out_arr = dest(shape, dtype)
+        if out_arr is not None:
+            if (out_arr.dtype != dtype or out_arr.shape != shape
+                    or not out_arr.flags.c_contiguous or not out_arr.flags.writeable):
+                raise ValueError(f"decode_chunk: dest must return a writable C-contiguous "
+                                 f"{shape} {dtype} array, got {out_arr.shape} {out_arr.dtype}")
+            flat = out_arr.reshape(-1)
     codec = _CODECS[info.codec]
     mv = memoryview(data).cast("B")
     rep_w = int(info.max_rep).bit_length()
@@ -489,24 +509,37 @@ def decode_chunk(pa: Any, data: Any, info: ChunkInfo) -> tuple[np.ndarray, np.nd
         if rep is not None:
             starts.append(_zeros(lv, rep[0], rep[1], n) + done)
         body = raw[p:]
+        if flat is not None and done + n > len(flat):
+            raise _Unsupported("value count differs from the metadata")
         if enc == _PLAIN:
             if len(body) != n * dtype.itemsize:
                 raise _Unsupported("PLAIN values size")
-            values.append(np.frombuffer(body, dtype, n))
+            page_values = np.frombuffer(body, dtype, n)
+            if flat is None:
+                values.append(page_values)
+            else:  # the page's one copy: into the destination
+                flat[done:done + n] = page_values
         elif enc in (_RLE_DICTIONARY, _PLAIN_DICTIONARY):
             if dictionary is None or len(body) < 1 or body[0] > 32:
                 raise _Unsupported("dictionary indices")
             idx = _hybrid(body, 1, len(body), body[0], n)
             if n and int(idx.max()) >= len(dictionary):
                 raise _Unsupported("dictionary index out of range")
-            values.append(dictionary[idx])
+            if flat is None:
+                values.append(dictionary[idx])
+            else:
+                # (indices checked above; mode="raise" would buffer the output)
+                np.take(dictionary, idx, out=flat[done:done + n], mode="clip")
         else:
             raise _Unsupported(f"encoding {enc}")
         done += n
     if done != info.num_values:
         raise _Unsupported("value count differs from the metadata")
-    out = (values[0] if len(values) == 1 else np.concatenate(values) if values
-           else np.zeros(0, dtype))
+    if flat is not None:
+        out = flat
+    else:
+        out = (values[0] if len(values) == 1 else np.concatenate(values) if values
+               else np.zeros(0, dtype))
     if not info.max_rep:
         if done != info.num_rows:
             raise _Unsupported("row count")
@@ -584,10 +617,11 @@ class FastReader:
             raise _Unsupported("column chunk outside the file")
         return self._map[offset:offset + size]
 
-    def _array(self, pa: Any, g: int, c: str) -> Any:
+    def _array(self, pa: Any, g: int, c: str, alloc: Any = None) -> Any:
         j, field = self.plan[c]
         info = chunk_info(self.pf.metadata, self.path, g, j, c)
-        values, offsets = decode_chunk(pa, self._bytes(info.offset, info.size), info)
+        dest = None if alloc is None else (lambda shape, dtype: alloc(c, shape, dtype))
+        values, offsets = decode_chunk(pa, self._bytes(info.offset, info.size), info, dest)
         t = field.type
         if offsets is None:
             return pa.array(values, type=t)
@@ -602,14 +636,18 @@ class FastReader:
             raise _Unsupported("list offsets past int32")
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), vals, type=t)
 
-    def read_row_group(self, pa: Any, g: int, columns: list[str]) -> Any:
+    def read_row_group(self, pa: Any, g: int, columns: list[str],
+                       alloc: Callable[[str, tuple[int, ...], np.dtype], np.ndarray | None]
+                       | None = None) -> Any:
         """Returns row group ``g``'s ``columns`` as a ``pyarrow.Table`` (what
-        ``ParquetFile.read_row_group`` returns, the same values)."""
+        ``ParquetFile.read_row_group`` returns, the same values). ``alloc(column, shape,
+        dtype)``: where to decode a column's values (``decode_chunk``'s ``dest``); the
+        table's column then wraps that memory (pyarrow wraps numbers without copying them)."""
         fast: dict[str, Any] = {}
         for c in columns:
             if c in self.plan and c not in fast:
                 try:
-                    fast[c] = self._array(pa, g, c)
+                    fast[c] = self._array(pa, g, c, alloc)
                 except (_Unsupported, TypeError, ValueError, IndexError, OSError, struct.error):
                     # (a header this misreads, e.g. a damaged file, is also left to pyarrow)
                     del self.plan[c]  # nulls, empty lists, other encodings: pyarrow from now

@@ -11,7 +11,11 @@ evicts a unit from its own LRU deletes its column list and renames its column fi
 pool of free files, the ``free`` subdirectory (one that looks for the unit later decodes
 again); the next unit written overwrites a free file instead of a new one, so its
 shared-memory pages are reused rather than allocated and zero-filled (the cost that
-dominates writing a decoded row group). A reader share-locks (``flock``) each file it maps
+dominates writing a decoded row group). A decoder that can write its values where it is told
+(``get(..., into=True)``: the fast Parquet decoder) decodes straight into a file mapped from
+that pool (or a new one) at its temporary name, which is then renamed as written, so a
+row group's values are copied once (page to shared memory) rather than decoded into memory
+of their own and written again. A reader share-locks (``flock``) each file it maps
 for as long as the map lives, and a writer takes a free file only under an exclusive lock
 it gets at once, so no file is overwritten while a process still maps it. The directory is
 removed when the process that created the source exits or drops it.
@@ -20,6 +24,7 @@ removed when the process that created the source exits or drops it.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import mmap
 import os
@@ -102,13 +107,19 @@ class SharedDecodeCache:
             return None
 
     def get(self, unit: int, columns: list[str],
-            decode: Callable[[], dict[str, np.ndarray | None]],
-            wait: bool = True) -> dict[str, np.ndarray | None] | None:
+            decode: Callable[..., dict[str, np.ndarray | None]],
+            wait: bool = True, into: bool = False) -> dict[str, np.ndarray | None] | None:
         """Returns unit ``unit``'s decoded columns: mapped from shared memory, or decoded here
         (``decode()``) and shared. ``wait=False``: None instead of waiting while another
-        process (or thread) decodes it."""
+        process (or thread) decodes it.
+
+        ``into=True``: ``decode`` is called as ``decode(alloc)``, and ``alloc(column, shape,
+        dtype)`` (or None) returns a writable array mapped from a new ``.npy`` file of the
+        cache (a recycled one when one is free) for the decoder to write the column into; a
+        returned column that is that array (the same memory, shape and dtype) is published
+        by renaming its file, without being written again. ``decode()`` without sharing."""
         if self.path is None:
-            return decode()
+            return decode(None) if into else decode()
         hit = self._load(unit, columns)
         if hit is not None:
             return hit
@@ -122,18 +133,80 @@ class SharedDecodeCache:
                 hit = self._load(unit, columns)  # decoded by another process meanwhile
                 if hit is not None:
                     return hit
-                arrays = decode()
+                if not into:
+                    arrays = decode()
+                    placed: dict[int, _Placed] = {}
+                else:
+                    placed = {}
+                    try:
+                        arrays = decode(lambda c, shape, dtype: self._place(
+                            placed, columns, c, shape, dtype))
+                    except BaseException:
+                        for p in placed.values():
+                            p.discard()
+                        raise
                 shared = []
                 for i, c in enumerate(columns):
                     a = arrays[c]
-                    if a is None:
-                        continue
-                    self._write_npy(f"{unit}-{i}.npy", a)
+                    p = placed.pop(i, None)
+                    if p is not None and p.holds(a):
+                        p.publish(os.path.join(self.path, f"{unit}-{i}.npy"))
+                    else:
+                        if p is not None:
+                            p.discard()
+                        if a is None:
+                            continue
+                        self._write_npy(f"{unit}-{i}.npy", a)
                     shared.append(c)
+                for p in placed.values():  # (columns asked for twice, or not in ``columns``)
+                    p.discard()
                 self._atomic(f"{unit}.json", lambda f: f.write(json.dumps(shared).encode()))
                 return arrays
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _place(self, placed: dict[int, _Placed], columns: list[str], column: str,
+               shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """``get``'s ``alloc``: a writable ``shape`` array of ``dtype`` mapped from a new
+        ``.npy`` file at a temporary name (recycled when one is free; exclusively locked until
+        it is published or discarded), or None."""
+        assert self.path is not None
+        dtype = np.dtype(dtype)
+        if column not in columns or dtype.hasobject or int(np.prod(shape, dtype=np.int64)) == 0:
+            return None
+        i = columns.index(column)
+        old = placed.pop(i, None)
+        if old is not None:
+            old.discard()
+        f = self._take_free()
+        if f is None:
+            tmp = os.path.join(self.path, f".{uuid.uuid4().hex}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (no other process knows the name yet)
+        else:
+            fd, tmp = os.dup(f.fileno()), f.name  # the duplicate keeps the lock
+            f.close()
+        try:
+            head = io.BytesIO()
+            np.lib.format.write_array_header_1_0(head, {
+                "descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                "shape": tuple(int(s) for s in shape)})
+            header = head.getvalue()
+            size = len(header) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            # a recycled file keeps its shared-memory pages up to the new size
+            os.ftruncate(fd, size)
+            os.pwrite(fd, header, 0)
+            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        a = np.frombuffer(m, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)),
+                          offset=len(header)).reshape(shape)
+        placed[i] = _Placed(fd, tmp, a)
+        return a
 
     def _atomic(self, name: str, write: Callable[[Any], Any]) -> None:
         assert self.path is not None
@@ -214,6 +287,36 @@ class SharedDecodeCache:
                     free += 1
                 else:
                     os.unlink(path)
+
+
+class _Placed:
+    """A ``.npy`` file ``SharedDecodeCache.get`` maps for a decoder to write into: its
+    descriptor (exclusively locked), temporary path and the array mapped from it."""
+
+    def __init__(self, fd: int, tmp: str, array: np.ndarray) -> None:
+        self.fd, self.tmp, self.array = fd, tmp, array
+
+    def holds(self, a: np.ndarray | None) -> bool:
+        """Whether ``a`` is the mapped array itself (its memory, shape and dtype)."""
+        b = self.array
+        return (isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+                and a.flags.c_contiguous
+                and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+    def publish(self, path: str) -> None:
+        """Renames the file to ``path``; this process's maps of it keep it share-locked (as a
+        reader's do), so it is not recycled while the decoded arrays live."""
+        # the lock turned shared before the rename: no other process knows the file yet
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+        os.replace(self.tmp, path)
+        os.close(self.fd)  # the map holds a duplicate
+        self.array = None  # type: ignore[assignment]
+
+    def discard(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+        os.close(self.fd)
+        self.array = None  # type: ignore[assignment]
 
 
 class _Named:
