@@ -489,9 +489,11 @@ def decode_chunk(pa: Any, data: Any, info: ChunkInfo,
             dh = h.get(8)
             if not isinstance(dh, dict):
                 raise _Unsupported("data page v2 header")
-            n, nulls, enc = dh.get(1, -1), dh.get(2, -1), dh.get(4)
+            n, nulls, rows, enc = dh.get(1, -1), dh.get(2, -1), dh.get(3, -1), dh.get(4)
             dlen, rlen = dh.get(5, -1), dh.get(6, -1)
-            if n < 0 or nulls != 0 or dlen < 0 or rlen < 0 or rlen + dlen > csize:
+            # num_rows is unused here, but pyarrow rejects a negative one: so do we (fallback)
+            if (n < 0 or nulls != 0 or rows < 0 or dlen < 0 or rlen < 0
+                    or rlen + dlen > csize):
                 raise _Unsupported("v2 page with nulls or bad lengths")
             lv = page
             rep = (0, rlen) if rep_w else None
