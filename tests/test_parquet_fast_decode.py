@@ -365,5 +365,8 @@ def test_a_damaged_file_without_crcs_reads_as_pyarrow_reads_it(tmp_path_factory,
             if c == "x":
                 assert np.array_equal(a.offsets, b.offsets) and a.null_count == b.null_count
                 a, b = a.flatten(), b.flatten()
+            if a.null_count or b.null_count:  # damaged levels: nulls where pyarrow has them
+                assert a.is_null().equals(b.is_null())
+                a, b = a.fill_null(0), b.fill_null(0)
             assert a.to_numpy().view(np.int32 if c == "x" else np.int64).tolist() == \
                 b.to_numpy().view(np.int32 if c == "x" else np.int64).tolist()
