@@ -34,7 +34,9 @@ the passes ``reorder_communication_preserving_peak_memory``, ``sink_waits_iterat
 scheduler ``aten_distributed_optimizations.enable_overlap_scheduling``; ``none``). Their
 1-process baseline is the compiled single-process step under the same settings.
 
-Each process: ``torch.cuda.set_device(rank)``, CPU threads ``max(1, cores // W)`` and (unless
+Each process: its own GPU only (``CUDA_VISIBLE_DEVICES`` set per rank, so it is ``cuda:0`` in
+every process and compiled rows share one Inductor cache; ``--all-gpus-visible``: every GPU
+visible, ``cuda:<rank>``), CPU threads ``max(1, cores // W)`` and (unless
 ``--no-cpu-pin``) its own slice of the CPU cores, so ranks do not fight for the host. TF32 is
 OFF (``_bench.set_tf32_off``: fp32 matmul and cuDNN). Timing (``_bench.time_calls``, wall
 clock): 2 warm-up calls (the first, with compilation, reported as ``first_call_s``), one call
@@ -571,6 +573,12 @@ def _pin(rank: int, world: int, device: torch.device, max_world: int) -> dict[st
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     use_cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda and not args.all_gpus_visible:
+        # before this process touches CUDA: it sees only its own GPU, as cuda:0, so compiled
+        # rows hit the Inductor / AOTAutograd caches that other processes filled (the cache
+        # keys hold the device index: a rank on cuda:3 would recompile what cuda:0 compiled)
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu_ids[rank]
+        device = torch.device("cuda", 0)
     if use_cuda:
         torch.cuda.set_device(device)
     pin = _pin(rank, world, device, max(args.worlds))
@@ -751,6 +759,9 @@ def main() -> None:
                    help="data_parallel's per-rank batch: sequences x tokens (default "
                         "%(default)s, nanoGPT's GPT-2 micro-batch; the model stays the same)")
     p.add_argument("--no-cpu-pin", action="store_true", help="do not pin ranks to CPU cores")
+    p.add_argument("--all-gpus-visible", action="store_true",
+                   help="every rank sees every GPU and uses cuda:<rank> (default: a rank sees "
+                        "only its own GPU, as cuda:0, so compiled rows share one compile cache)")
     p.add_argument("--no-checks", action="store_true", help="skip the float64 equality checks")
     p.add_argument("--gc", choices=("on", "off"), default="on",
                    help="off: Python's cyclic garbage collector disabled in every rank (is a "
@@ -783,6 +794,9 @@ def main() -> None:
     if len(worlds) < 2:
         sys.exit(f"benchmarks/distributed.py: needs 2 GPUs or more, found {n_dev}")
     args.worlds = worlds
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    args.gpu_ids = ([v.strip() for v in visible.split(",") if v.strip()] if visible
+                    else [str(i) for i in range(n_dev)])
     t0 = time.time()
     runs = {}
     for w in worlds:
@@ -791,6 +805,8 @@ def main() -> None:
                                       "trace": None})
         runs[w] = _median_run([_spawn(w, args if i == 0 else again)
                                for i in range(args.process_repeats)])
+        with open(os.path.splitext(args.out)[0] + ".partial.json", "w") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), "runs": runs}, f)
     rows = {}
     for name in runs[1]["bench"]:
         by_world = {str(w): runs[w]["bench"][name] for w in worlds}
