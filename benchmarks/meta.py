@@ -331,11 +331,16 @@ def setup(args: argparse.Namespace) -> tuple:
 def child_first_step(args: argparse.Namespace) -> None:
     """``--child``: one variant's first meta-gradient in this fresh process, with the compile
     cache in ``--cache-dir``; print the wall-clock time it finished and what it took."""
+    t_imported = time.time()  # the interpreter is up and this script's imports are done
     enable_compile_cache(args.cache_dir)
     kind, tokens, chunk, mode = parse_variant(args.child)
     device, _, cfg, module, tasks, model_fn, params, buffers = setup(args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t_setup = time.time()
     with variant_settings(tokens):
         call = build_call(kind, tokens, chunk, mode, module, model_fn, cfg, 0.01)
+        t_built = time.time()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
@@ -344,9 +349,39 @@ def child_first_step(args: argparse.Namespace) -> None:
         call(params, buffers, tasks)
         sync(device)
         done = time.time()
+    first = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    print("CHILD " + json.dumps({"done_unix_s": done, "first_call_s": time.perf_counter() - t0,
-                                 "peak_bytes": peak}), flush=True)
+    print("CHILD " + json.dumps({
+        "done_unix_s": done, "first_call_s": first, "peak_bytes": peak,
+        # where process start went: interpreter and imports (from the parent's spawn time),
+        # model and tasks on the device (CUDA init), building the step
+        "imported_unix_s": t_imported,
+        "setup_s": t_setup - t_imported, "build_s": t_built - t_setup,
+        "first_call_breakdown": compile_breakdown()}), flush=True)
+
+
+def compile_breakdown() -> dict:
+    """Return where this process's compiles went: Dynamo's per-phase seconds (summed over
+    frames, what ``torch._dynamo.utils.compile_times`` prints) for the phases that matter to a warm
+    start, and the cache counters (an FX graph / AOTAutograd cache hit or miss per graph,
+    Dynamo's unique graphs and recompiles)."""
+    from torch._dynamo import utils as dynamo_utils
+    from torch._dynamo.utils import counters
+
+    phases = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
+              "create_aot_dispatcher_function", "AOTAutogradCache.inductor_load",
+              "PyCodeCache.load_by_key_path", "async_compile.wait", "compile_fx_inner",
+              "GraphLowering.codegen", "Scheduler.codegen", "build_guards")
+    metrics = getattr(dynamo_utils, "compilation_time_metrics", {})  # {phase: [seconds]}
+    times = {k: round(sum(metrics[k]), 3) for k in phases if k in metrics}
+    keep = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass",
+            "autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass",
+            "unique_graphs", "calls_captured", "async_compile_cache_hit",
+            "async_compile_cache_miss")
+    cnt = {k: v for group in ("inductor", "aot_autograd", "stats")
+           for k, v in counters[group].items() if k in keep}
+    cnt["recompiles"] = sum(counters["recompiles"].values())
+    return {"dynamo_s": times, "counters": cnt}
 
 
 def warm_start(args: argparse.Namespace, name: str) -> dict:
@@ -368,11 +403,15 @@ def warm_start(args: argparse.Namespace, name: str) -> dict:
             continue
         rec = json.loads(lines[-1][6:])
         rec["start_to_first_step_s"] = rec.pop("done_unix_s") - start
+        rec["interpreter_imports_s"] = rec.pop("imported_unix_s") - start
         out[label] = rec
         peak = rec["peak_bytes"]
         print(f"{name:26s} {label} start: process start to first step "
               f"{rec['start_to_first_step_s']:7.1f} s (first call {rec['first_call_s']:7.1f} s"
-              f", peak {'-' if peak is None else f'{peak / 2**20:.0f} MiB'})", flush=True)
+              f", peak {'-' if peak is None else f'{peak / 2**20:.0f} MiB'}); interpreter and "
+              f"imports {rec['interpreter_imports_s']:.1f} s, setup "
+              f"{rec['setup_s']:.1f} s, build {rec['build_s']:.1f} s", flush=True)
+        print(f"{'':26s}   first call: {json.dumps(rec['first_call_breakdown'])}", flush=True)
     out["cache_dir"] = cache
     return out
 

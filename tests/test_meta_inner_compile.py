@@ -12,6 +12,12 @@ against its eager meta-gradient and step.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -321,3 +327,65 @@ def test_inner_compiled_step_refuses_torch_compile_and_grad_requiring_params():
     with pytest.raises(Exception, match=r"compile='inner' compiles its parts itself"):
         torch.compile(step, backend="eager", fullgraph=True)(state, tasks)
     torch._dynamo.reset()
+
+
+# -- a second process starts warm -------------------------------------------------------------
+
+_WARM_SCRIPT = """
+import json, sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from torchfn.compile import enable_compile_cache
+from torchfn.functional import make_functional
+from torchfn.meta import Task, make_meta_train_step, maml
+from torchfn.optim import sgd
+
+enable_compile_cache(sys.argv[1])
+torch.manual_seed(0)
+net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.BatchNorm2d(2), nn.ReLU(),
+                    nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double()
+fn, params, buffers = make_functional(net)
+g = torch.Generator().manual_seed(1)
+x = lambda n: torch.randn(2, n, 1, 4, 4, generator=g, dtype=torch.float64)
+y = lambda n: torch.randint(0, 3, (2, n), generator=g)
+tasks = Task(x(3), y(3), x(3), y(3))
+learner = maml(fn, F.cross_entropy, inner_lr=0.1, inner_steps=2)
+got = make_meta_train_step(learner, sgd(0.1), compile="inner").meta_grad(params, buffers, tasks)
+want = learner.meta_grad(params, buffers, tasks)
+ok = all(torch.allclose(got[0][k], want[0][k], rtol=1e-9, atol=1e-12) for k in want[0])
+keep = ("fxgraph_cache_hit", "fxgraph_cache_miss", "autograd_cache_hit", "autograd_cache_miss",
+        "unique_graphs")
+cnt = {k: v for grp in ("inductor", "aot_autograd", "stats") for k, v in counters[grp].items()
+       if k in keep}
+cnt["recompiles"] = sum(counters["recompiles"].values())
+print(json.dumps({"ok": ok, **cnt}))
+"""
+
+
+def _warm_run(cache) -> dict:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHFN_COMPILE_CACHE"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-c", _WARM_SCRIPT, str(cache)], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a cold Inductor compile of the inner step and the query loss in a subprocess
+def test_a_second_process_loads_the_inner_compiled_step_from_the_cache(tmp_path):
+    """compile="inner" with the cache of enable_compile_cache: the first process compiles the
+    inner step and the query loss (each a forward and a backward graph), the second finds all
+    four graphs in the FX graph cache and both in the AOTAutograd cache -- no Inductor or
+    AOTAutograd work, only Dynamo's tracing -- with no recompile and the eager numbers."""
+    cold = _warm_run(tmp_path / "cache")
+    assert cold["ok"], cold
+    assert cold.get("fxgraph_cache_miss", 0) == 4 and cold.get("autograd_cache_miss", 0) == 2, cold
+    warm = _warm_run(tmp_path / "cache")
+    assert warm["ok"], warm
+    assert warm.get("fxgraph_cache_miss", 0) == 0 and warm.get("autograd_cache_miss", 0) == 0, warm
+    assert warm.get("fxgraph_cache_hit", 0) == 4 and warm.get("autograd_cache_hit", 0) == 2, warm
+    assert warm["unique_graphs"] == 2 and warm["recompiles"] == 0, warm
