@@ -197,6 +197,66 @@ def test_hybrid_matches_a_plain_encoder(data, width, pad):
         assert zeros.tolist() == [i for i, v in enumerate(expect[:count]) if v == 0]
 
 
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), width=st.integers(1, 24), pad=st.integers(0, 7),
+       copies=st.integers(1, 40))
+def test_hybrid_with_repeated_runs_matches_a_plain_encoder(data, width, pad, copies):
+    """Repeated runs (the rows of a fixed-length list column: the same runs for every row) and
+    chains of bit-packed runs of one size are parsed once and then compared as bytes: the
+    values are those of a plain encoder, with a prefix, a changed copy and a tail breaking
+    the repeats anywhere."""
+    top = (1 << width) - 1
+
+    def run():
+        if data.draw(st.booleans()):
+            return ("rle", data.draw(st.integers(0, top)), data.draw(st.integers(1, 100)))
+        groups = data.draw(st.integers(1, 3))
+        return ("packed", data.draw(st.lists(st.integers(0, top), min_size=8 * groups,
+                                             max_size=8 * groups)))
+
+    prefix = [run() for _ in range(data.draw(st.integers(0, 3)))]
+    block = [run() for _ in range(data.draw(st.integers(1, 4)))]
+    runs = prefix + block * copies
+    if data.draw(st.booleans()):  # one copy changed (a bit-packed chain: same header)
+        k = data.draw(st.integers(len(prefix), len(runs) - 1))
+        if runs[k][0] == "packed":
+            runs[k] = ("packed", [(v + 1) & top for v in runs[k][1]])
+        else:
+            runs[k] = ("rle", (runs[k][1] + 1) & top, runs[k][2])
+    runs += [run() for _ in range(data.draw(st.integers(0, 3)))]
+    expect = []
+    for r in runs:
+        expect += [r[1]] * r[2] if r[0] == "rle" else r[1]
+    count = len(expect) - (pad if runs[-1][0] == "packed" else 0)
+    enc = _enc_hybrid(runs, width)
+    got = _hybrid(memoryview(b"\x09" + enc), 1, len(enc) + 1, width, count)
+    assert got.dtype == np.uint32 and got.tolist() == expect[:count]
+    cut = data.draw(st.integers(1, count))  # fewer values asked for than the runs hold
+    assert _hybrid(memoryview(enc), 0, len(enc), width, cut).tolist() == expect[:cut]
+    if width == 1:
+        zeros = _zeros(memoryview(enc), 0, len(enc), count)
+        assert zeros.tolist() == [i for i, v in enumerate(expect[:count]) if v == 0]
+
+
+def test_fixed_lists_with_a_dictionary_page_read_as_pyarrow_reads_them(tmp_path):
+    """The benchmark's layout (``benchmarks/data_sources.py`` small): rows of 784 float32 in
+    row groups of 1024, the first page dictionary encoded (19-bit indices in a chain of
+    bit-packed runs of one size), the rest PLAIN; the row starts come from repeated runs."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2500, 784), dtype=np.float32)
+    offsets = np.arange(0, x.size + 1, 784, dtype=np.int32)
+    col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(x.reshape(-1)))
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"x": col, "label": pa.array(np.arange(2500) % 10)}), path,
+                   row_group_size=1024)
+    pf = pq.ParquetFile(path)
+    reader = FastReader(pa, pf, str(path), ["x", "label"])
+    for g in range(pf.metadata.num_row_groups):
+        got = reader.read_row_group(pa, g, ["x", "label"])
+        assert sorted(reader.plan) == ["label", "x"]  # (no fallback to pyarrow)
+        assert got.equals(pf.read_row_group(g, columns=["x", "label"]))
+
+
 # ------------------------------------------------ column chunks against pyarrow
 
 _CODECS = ["snappy", "zstd", "gzip", "none", "lz4", "brotli"]

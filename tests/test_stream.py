@@ -112,6 +112,25 @@ def test_plan_is_deterministic_and_reshuffles_per_epoch():
     assert plan(seed=0, epoch=0, shard_sizes=6, shuffle=False).ids.tolist() == list(range(6))
 
 
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 50), min_size=1, max_size=8), buf=st.integers(1, 70),
+       seed=st.integers(0, 2**64 - 1), epoch=st.integers(0, 3))
+def test_global_order_is_the_stable_window_sort_of_its_keys(sizes, buf, seed, epoch):
+    """The order sorts with numpy's default (unstable) sort: the keys are distinct, so it is the
+    stable lexsort (shards by key, then each window of ``buf`` by key) it stands for."""
+    from torchfn.data._plan import _keys
+
+    starts = np.cumsum([0, *sizes])
+    shard_keys = _keys(seed, epoch, 1, len(sizes))
+    assert len(np.unique(shard_keys)) == len(sizes)
+    shards = np.lexsort((shard_keys,))
+    g = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards]).astype(np.int64)
+    keys = _keys(seed, epoch, 2, len(g))
+    ref = g[np.lexsort((keys, np.arange(len(g)) // buf))]
+    got = global_order(seed=seed, epoch=epoch, shard_sizes=sizes, shuffle_buffer=buf)
+    assert got.tolist() == ref.tolist()
+
+
 def test_plan_errors_name_the_argument():
     with pytest.raises(ValueError, match="rank=2"):
         plan(seed=0, epoch=0, shard_sizes=4, world_size=2, rank=2)

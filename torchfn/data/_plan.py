@@ -56,16 +56,18 @@ def _keys(seed: int, epoch: int, stream: int, n: int) -> np.ndarray:
 
 
 def _window_order(keys: np.ndarray, buf: int) -> np.ndarray:
-    """Returns ``np.lexsort((keys, np.arange(n) // buf))`` for ``(n,)`` ``keys``: each
-    window of ``buf`` positions sorted by key (stable), windows in place; one sort per row
-    of the windows instead of a lexsort over all of them."""
+    """Returns ``np.lexsort((keys, np.arange(n) // buf))`` for ``(n,)`` distinct ``keys``:
+    each window of ``buf`` positions sorted by key, windows in place; one sort per row of the
+    windows instead of a lexsort over all of them. The keys are distinct (``_keys``: SplitMix64
+    of distinct inputs, a bijection on uint64), so the default (unstable, 4-5x faster than
+    ``kind="stable"`` here) sort gives the stable order."""
     n = len(keys)
     full = n // buf * buf
     order = np.empty(n, dtype=np.int64)
     if full:
-        rows = np.argsort(keys[:full].reshape(-1, buf), axis=1, kind="stable")
+        rows = np.argsort(keys[:full].reshape(-1, buf), axis=1)
         order[:full] = (rows + np.arange(0, full, buf, dtype=np.int64)[:, None]).reshape(-1)
-    order[full:] = np.argsort(keys[full:], kind="stable") + full
+    order[full:] = np.argsort(keys[full:]) + full
     return order
 
 
@@ -113,7 +115,7 @@ def global_order(
     n = int(sum(sizes))
     starts = np.cumsum([0, *sizes])
     if shuffle and len(sizes) > 0:
-        shard_order = np.argsort(_keys(seed, epoch, 1, len(sizes)), kind="stable")
+        shard_order = np.argsort(_keys(seed, epoch, 1, len(sizes)))  # distinct keys
         g = np.concatenate(
             [np.arange(starts[s], starts[s + 1], dtype=np.int64) for s in shard_order]
         )

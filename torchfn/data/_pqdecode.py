@@ -188,30 +188,67 @@ def page_header(b: Any, pos: int) -> tuple[dict[int, Any], int]:
 # ---------------------------------------------------------------- RLE / bit-packed hybrid
 
 class _Runs:
-    """The runs of an RLE/bit-packed hybrid: RLE runs ``(first value index, n, value)`` and
-    bit-packed runs (first value indices, value counts, byte offsets and byte sizes)."""
+    """The runs of an RLE/bit-packed hybrid, as ``(k,)`` int64 arrays: RLE runs (``rle_i``
+    first value index, ``rle_n`` values, ``rle_v`` value) and bit-packed runs (``first``
+    value indices, ``sizes`` value counts, ``offs`` byte offsets, ``nbytes`` byte sizes)."""
 
-    __slots__ = ("first", "nbytes", "offs", "rle", "sizes")
+    __slots__ = ("first", "nbytes", "offs", "rle_i", "rle_n", "rle_v", "sizes")
 
-    def __init__(self) -> None:
-        self.rle: list[tuple[int, int, int]] = []
-        self.first: list[int] = []
-        self.sizes: list[int] = []
-        self.offs: list[int] = []
-        self.nbytes: list[int] = []
+    def __init__(self, rle: list[np.ndarray], packed: list[np.ndarray]) -> None:
+        self.rle_i, self.rle_n, self.rle_v = rle
+        self.first, self.sizes, self.offs, self.nbytes = packed
+
+
+# a run of bytes that repeats (e.g. the repetition levels of rows of one length: the same
+# runs for every row) is parsed once and then compared as bytes; periods of up to this many
+# runs are looked for, after 2, 4, 8, ... runs parsed one by one
+_PERIOD_RUNS = 8
+
+
+def _tile(parts: list[list[np.ndarray]], lists: tuple[list[int], ...], k: int, m: int,
+          steps: tuple[int, ...]) -> None:
+    """Moves ``lists`` (the runs parsed one by one) into ``parts`` as arrays, followed by their
+    last ``k`` entries repeated ``m`` times, field ``f`` of the ``j``-th copy shifted by
+    ``j * steps[f]`` (``j`` from 1)."""
+    for f, lst in enumerate(lists):
+        a = np.asarray(lst, np.int64)
+        parts[f].append(a)
+        if k and m:
+            shift = np.arange(1, m + 1, dtype=np.int64) * steps[f]
+            parts[f].append((a[len(a) - k:][None, :] + shift[:, None]).reshape(-1))
+        lst.clear()
 
 
 def _runs(b: Any, pos: int, end: int, width: int, count: int) -> _Runs:
     """Returns the runs of ``count`` values of ``width`` bits in ``b[pos:end]`` (a bit-packed
-    run holds a multiple of 8 values: the last one may go past ``count``)."""
-    r = _Runs()
-    rle, first, sizes, offs, nbytes = r.rle, r.first, r.sizes, r.offs, r.nbytes
+    run holds a multiple of 8 values: the last one may go past ``count``).
+
+    Runs are parsed one by one, except where they repeat: where the bytes of the last few runs
+    repeat (e.g. the repetition levels of rows of one length: the same runs for every row),
+    and where bit-packed runs of one size follow each other (their headers repeat), the
+    repeats (as many as fit before ``count`` values and ``end``) are found with one numpy
+    comparison and their runs copied, shifted: the same bytes are the same runs."""
+    rle_i: list[int] = []
+    rle_n: list[int] = []
+    rle_v: list[int] = []
+    first: list[int] = []
+    sizes: list[int] = []
+    offs: list[int] = []
+    rle_lists, packed_lists = (rle_i, rle_n, rle_v), (first, sizes, offs)
+    rle_parts: list[list[np.ndarray]] = [[], [], []]
+    packed_parts: list[list[np.ndarray]] = [[], [], []]
+    raw: np.ndarray | None = None
+    # each run parsed one by one since the last repeat: (byte offset, value index, packed?)
+    seen: list[tuple[int, int, bool]] = []
+    try_at = 2  # look for repeated runs when ``seen`` holds 2, 4, 8, ... runs
+    last_h = -1  # the previous run's header when it was bit-packed
     i = 0
     vbytes = (width + 7) // 8
     try:
         while i < count:
             if pos >= end:
                 raise _Unsupported("levels end early")
+            at = pos
             h = b[pos]
             pos += 1
             if h >= 0x80:  # a varint of more than one byte
@@ -230,28 +267,83 @@ def _runs(b: Any, pos: int, end: int, width: int, count: int) -> _Runs:
             if g == 0:
                 raise _Unsupported("empty run")
             if h & 1:
+                seen.append((at, i, True))
                 first.append(i)
                 sizes.append(g * 8)
                 offs.append(pos)
-                nbytes.append(g * width)
+                hl = pos - at
                 pos += g * width
                 i += g * 8
+                if h == last_h and i < count:  # bit-packed runs of one size: more of them?
+                    stride = pos - at
+                    fits = min((end - pos) // stride, (count - i) // (g * 8))
+                    if fits > 0:
+                        if raw is None:
+                            raw = np.frombuffer(b, np.uint8)
+                        heads = raw[pos:pos + fits * stride].reshape(fits, stride)[:, :hl]
+                        same = (heads == raw[at:at + hl]).all(axis=1)
+                        m = fits if same.all() else int(np.argmin(same))
+                        if m:
+                            _tile(rle_parts, rle_lists, 0, 0, ())
+                            _tile(packed_parts, packed_lists, 1, m, (g * 8, 0, stride))
+                            i += m * g * 8
+                            pos += m * stride
+                            seen = []
+                    continue
+                last_h = h
             else:
-                rle.append((i, g, b[pos] if vbytes == 1 else
-                            int.from_bytes(b[pos:pos + vbytes], "little")))
+                seen.append((at, i, False))
+                rle_i.append(i)
+                rle_n.append(g)
+                rle_v.append(b[pos] if vbytes == 1 else
+                             int.from_bytes(b[pos:pos + vbytes], "little"))
                 pos += vbytes
                 i += g
+                last_h = -1
+            if len(seen) < try_at or i >= count:
+                continue
+            try_at *= 2
+            if raw is None:
+                raw = np.frombuffer(b, np.uint8)
+            for k in range(1, min(_PERIOD_RUNS, len(seen) // 2) + 1):
+                p0, i0, _ = seen[-k]  # the last k runs: bytes p0..pos, values i0..i
+                size = pos - p0
+                if p0 - seen[-2 * k][0] != size or raw[p0 - size:p0].tobytes() != raw[
+                        p0:pos].tobytes():
+                    continue  # (they do not repeat the k runs before them)
+                di = i - i0
+                fits = min((end - pos) // size, (count - i) // di)
+                if fits > 0:
+                    same = (raw[pos:pos + fits * size].reshape(fits, size)
+                            == raw[p0:pos]).all(axis=1)
+                    m = fits if same.all() else int(np.argmin(same))
+                    if m:
+                        kp = sum(1 for s in seen[-k:] if s[2])
+                        _tile(rle_parts, rle_lists, k - kp, m, (di, 0, 0))
+                        _tile(packed_parts, packed_lists, kp, m, (di, 0, size))
+                        i += m * di
+                        pos += m * size
+                        # (few repeats: look again only after as many more runs, so short
+                        # repeats cost a numpy comparison per many runs, not per few)
+                        seen, try_at = [], 2 if m >= 8 else try_at
+                        last_h = -1
+                break
     except IndexError as e:
         raise _Unsupported("levels run past the page") from e
     if pos > end:
         raise _Unsupported("levels run past their length")
-    return r
+    _tile(rle_parts, rle_lists, 0, 0, ())
+    _tile(packed_parts, packed_lists, 0, 0, ())
+    rle = [np.concatenate(p) if len(p) > 1 else p[0] for p in rle_parts]
+    packed = [np.concatenate(p) if len(p) > 1 else p[0] for p in packed_parts]
+    packed.append(packed[1] // 8 * width)
+    return _Runs(rle, packed)
 
 
 def _unpack(b: Any, r: _Runs, width: int) -> np.ndarray:
     """Returns the values of the bit-packed runs, concatenated, as ``(sum sizes,)`` uint32
     (each run holds groups of 8 values in ``width`` bytes, least significant bit first)."""
-    total = 8 * sum(r.nbytes) // width if width else sum(r.sizes)
+    total = 8 * int(r.nbytes.sum()) // width if width else int(r.sizes.sum())
     if width == 0 or total == 0:
         return np.zeros(total, np.uint32)
     raw = np.frombuffer(b, np.uint8)
@@ -260,12 +352,16 @@ def _unpack(b: Any, r: _Runs, width: int) -> np.ndarray:
     if len(r.offs) == 1:
         buf[:nbytes] = raw[r.offs[0]:r.offs[0] + nbytes]
     elif nbytes < 64 * len(r.offs):  # many short runs: their bytes gathered at once
-        lens = np.array(r.nbytes, np.int64)
-        shift = np.array(r.offs, np.int64) - (np.cumsum(lens) - lens)
-        buf[:nbytes] = raw[np.repeat(shift, lens) + np.arange(nbytes)]
+        buf[:nbytes] = raw[_aranges(r.offs, r.nbytes)]
+    elif (len(r.offs) > 2 and (r.nbytes == r.nbytes[0]).all()
+          and (np.diff(r.offs) == r.offs[1] - r.offs[0]).all()):  # runs of one size, strided
+        m, step, off = int(r.nbytes[0]), int(r.offs[1] - r.offs[0]), int(r.offs[0])
+        k = len(r.offs)
+        rows = np.lib.stride_tricks.as_strided(raw[off:], (k, m), (step, 1))
+        buf[:nbytes].reshape(k, m)[:] = rows
     else:
         k = 0
-        for off, m in zip(r.offs, r.nbytes, strict=True):
+        for off, m in zip(r.offs.tolist(), r.nbytes.tolist(), strict=True):
             buf[k:k + m] = raw[off:off + m]
             k += m
     if width == 1:
@@ -285,22 +381,30 @@ def _unpack(b: Any, r: _Runs, width: int) -> np.ndarray:
 def _place(r: _Runs, values: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     """Returns the value indices of the unpacked bit-packed ``values`` and a mask of those
     before ``count`` (the last run's padding is not)."""
-    first = np.array(r.first, np.int64)
-    sizes = np.array(r.sizes, np.int64)
-    idx = np.repeat(first - (np.cumsum(sizes) - sizes), sizes) + np.arange(len(values))
+    idx = np.repeat(r.first - (np.cumsum(r.sizes) - r.sizes), r.sizes) + np.arange(len(values))
     return idx, idx < count
+
+
+def _aranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Returns the concatenated ``arange(s, s + n)`` of each ``(s, n)`` of ``(k,)`` int64
+    ``starts`` and ``lens``."""
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
 
 
 def _hybrid(b: Any, pos: int, end: int, width: int, count: int) -> np.ndarray:
     """Returns ``count`` values of the RLE/bit-packed hybrid in ``b[pos:end]`` as uint32."""
     r = _runs(b, pos, end, width, count)
     values = _unpack(b, r, width)
-    if not r.rle:
+    if not len(r.rle_i):
         return values[:count]
     out = np.empty(count, np.uint32)
-    for i, n, v in r.rle:
-        out[i:i + n] = v
-    if r.first:
+    n = np.minimum(r.rle_n, count - r.rle_i)  # (the last run may go past ``count``)
+    if len(n) <= 8:
+        for i, k, v in zip(r.rle_i.tolist(), n.tolist(), r.rle_v.tolist(), strict=True):
+            out[i:i + k] = v
+    else:
+        out[_aranges(r.rle_i, n)] = np.repeat(r.rle_v, n)
+    if len(r.first):
         idx, ok = _place(r, values, count)
         out[idx[ok]] = values[ok]
     return out
@@ -309,9 +413,9 @@ def _hybrid(b: Any, pos: int, end: int, width: int, count: int) -> np.ndarray:
 def _all_equal(b: Any, pos: int, end: int, width: int, count: int, level: int) -> bool:
     """Returns whether all ``count`` levels in ``b[pos:end]`` equal ``level``."""
     r = _runs(b, pos, end, width, count)
-    if any(v != level for _, _, v in r.rle):
+    if (r.rle_v != level).any():
         return False
-    if not r.first:
+    if not len(r.first):
         return True
     values = _unpack(b, r, width)
     bad = values != level
@@ -324,21 +428,21 @@ def _all_equal(b: Any, pos: int, end: int, width: int, count: int, level: int) -
 def _zeros(b: Any, pos: int, end: int, count: int) -> np.ndarray:
     """Returns the indices of the 1-bit levels in ``b[pos:end]`` that are 0 (row starts)."""
     r = _runs(b, pos, end, 1, count)
-    if any(v > 1 for _, _, v in r.rle):
+    if (r.rle_v > 1).any():
         raise _Unsupported("repetition level above 1")
-    parts = [np.arange(i, i + n, dtype=np.int64) for i, n, v in r.rle if v == 0]
-    if r.first:
+    zero = r.rle_v == 0
+    parts = [_aranges(r.rle_i[zero], r.rle_n[zero])] if zero.any() else []
+    if len(r.first):
         values = _unpack(b, r, 1)
-        first = np.array(r.first, np.int64)
         at = np.cumsum(r.sizes) - r.sizes  # where each run starts in ``values``
         k = np.flatnonzero(values == 0)
         run = np.searchsorted(at, k, side="right") - 1
-        idx = k - at[run] + first[run]
+        idx = k - at[run] + r.first[run]
         parts.append(idx[idx < count])  # the last run's padding past ``count`` left out
     if not parts:
         return np.zeros(0, np.int64)
     out = np.concatenate(parts)
-    if r.rle and r.first:
+    if zero.any() and len(r.first):
         out.sort()
     return out
 
