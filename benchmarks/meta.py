@@ -44,7 +44,9 @@ issue, torchfn compiled with default options, what a user gets without knobs; on
   ``unfold_convs="auto"`` as for ``compiled``). Tokens: ``conv``, ``fix``, ``gcl``, ``unfold``, ``unfoldall``, ``bench``, ``cl``, ``at`` (``max-autotune-no-cudagraphs``;
   no ``cg``: there is no one graph to capture) and ``chunkN``, as for ``compiled``, and
   ``eagerquery`` (only the inner step compiled, the query loss eager: is compiling it worth
-  its compile time?).
+  its compile time?), ``norecomp`` (the inner step and query loss compiled with AOTAutograd's
+  default partitioning, not the library's aggressive recomputation: saves more for the outer
+  backward, e.g. the unfolded convolutions' patches).
 - ``jax``: the twin in ``benchmarks/meta_jax.py`` (same weights, same tasks, same math,
   ``jax.jit(jax.value_and_grad(meta_loss))``), run in a subprocess of ``--jax-python``
   (default: this interpreter) so the two frameworks never share a process; skipped with a
@@ -55,6 +57,12 @@ Precision is equal on both sides: ``--precision highest`` (default) turns TF32 o
 TF32 on both. The TF32 state is printed. ``--small`` shrinks everything for a CPU smoke test;
 ``--out results.json`` writes JSON. ``--inner-steps K`` overrides the 5 inner steps (compile
 time grows with K for ``compiled``, not for ``inner``).
+
+``--saved-bytes`` (``inner`` variants): after timing, one more call with
+``torch.autograd.graph.saved_tensors_hooks`` that sums the bytes of the distinct storages the
+step saves for its outer backward (what the compiled inner steps and query loss hand autograd,
+plus the few eager ops between them), split by piece, with the largest saved shapes: the
+activation memory the step holds at the start of its outer backward, on any device.
 
 ``--warm-start`` (``compiled`` and ``inner`` variants): after the in-process timing, run the
 variant twice more, each in a fresh Python process with ``torchfn.compile.enable_compile_cache``
@@ -229,7 +237,8 @@ def parse_variant(name: str) -> tuple[str, set[str], int | None, str | None]:
     tokens, chunk = set(), None
     known = ({"cg", "at", "atcg", "cl", "bench", "fix", "gcl", "conv", "unfold", "unfoldall"}
              if kind == "compiled" else
-             {"at", "cl", "bench", "fix", "gcl", "conv", "unfold", "unfoldall", "eagerquery"}
+             {"at", "cl", "bench", "fix", "gcl", "conv", "unfold", "unfoldall", "eagerquery",
+              "norecomp"}
              if kind == "inner"
              else {"bench", "unfold", "unfoldall"})
     for tok in rest:
@@ -298,14 +307,60 @@ def build_call(kind: str, tokens: set[str], chunk: int | None, mode: str | None,
                               **inductor_options(channels_last="gcl" in tokens)}}
     else:
         kwargs = {"mode": mode}
-    if kind == "inner" and "eagerquery" in tokens:
-        from torchfn.meta._inner_compile import InnerCompiledMetaGrad  # the option's parts
+    if kind == "inner" and tokens & {"eagerquery", "norecomp"}:
+        from torchfn.meta._inner_compile import InnerCompiledMetaGrad  # the options' parts
 
-        return InnerCompiledMetaGrad(learner, kwargs, compile_query=False)
+        return InnerCompiledMetaGrad(learner, kwargs, compile_query="eagerquery" not in tokens,
+                                     recompute="norecomp" not in tokens)
     if kind == "inner":
         return make_meta_train_step(learner, sgd(0.1), compile="inner",
                                     compile_kwargs=kwargs).meta_grad
     return torch.compile(learner.meta_grad, fullgraph=True, **kwargs)
+
+
+def saved_bytes(call: Callable[..., tuple], params: dict, buffers: dict, tasks: Task,
+                top: int = 8) -> dict:
+    """Return what one call of an ``inner`` variant's ``call`` saves for its outer backward:
+    ``{"total_bytes", "by_piece": {piece: bytes}, "largest": [[piece, count, shape, dtype,
+    bytes], ...]}``, distinct storages counted once (``saved_tensors_hooks``)."""
+    seen: dict[int, int] = {}
+    by_piece: dict[str, int] = {}
+    shapes: dict[tuple, list[int]] = {}
+    piece = ["eager"]
+    owner = getattr(call, "__self__", call)  # the InnerCompiledMetaGrad behind .meta_grad
+    pieces = {name: getattr(owner, name) for name in ("inner_step", "query")
+              if hasattr(owner, name)}
+
+    def tagged(name: str, fn: Callable) -> Callable:
+        def run(*a: object) -> object:
+            piece[0] = name
+            try:
+                return fn(*a)
+            finally:
+                piece[0] = "eager"
+        return run
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = n = storage.nbytes()
+            by_piece[piece[0]] = by_piece.get(piece[0], 0) + n
+            rec = shapes.setdefault((piece[0], tuple(t.shape), str(t.dtype)), [0, 0])
+            rec[0] += 1
+            rec[1] += n
+        return t
+
+    for name, fn in pieces.items():
+        setattr(owner, name, tagged(name, fn))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call(params, buffers, tasks)
+    finally:
+        for name, fn in pieces.items():
+            setattr(owner, name, fn)
+    largest = sorted(shapes.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"total_bytes": sum(seen.values()), "by_piece": by_piece,
+            "largest": [[p, c, list(sh), dt, n] for (p, sh, dt), (c, n) in largest]}
 
 
 def setup(args: argparse.Namespace) -> tuple:
@@ -435,6 +490,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after timing each torch variant, profile 2 calls and print the top "
                          "kernels by device time (to see where the time goes)")
+    ap.add_argument("--saved-bytes", action="store_true",
+                    help="for inner variants, also count the bytes one step saves for its "
+                         "outer backward (saved_tensors_hooks), by compiled piece")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # --warm-start's child: a variant
     ap.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -501,6 +559,14 @@ def main() -> None:
             rec, grads = timeit(fn, args.warmup, args.repeats, device, cudagraphs=cudagraphs)
             if args.profile:
                 profile(fn, device, cudagraphs, name)
+            if args.saved_bytes and kind == "inner":
+                rec["saved"] = saved = saved_bytes(call, params, buffers, tasks)
+                print(f"{name:26s} saved for the outer backward: "
+                      f"{saved['total_bytes'] / 2**20:.1f} MiB ("
+                      + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in saved["by_piece"].items())
+                      + "); largest: " + "; ".join(
+                          f"{p} {c}x{tuple(sh)} {n / 2**20:.1f}"
+                          for p, c, sh, _, n in saved["largest"][:4]), flush=True)
         rec["max_rel_diff_vs_eager"] = max_rel_diff(grads, reference)
         results["runs"][name] = rec
         report(name, rec)

@@ -10,8 +10,9 @@ backward (``fold`` / ``unfold`` in between). Compiled, this is several times fas
 ``benchmarks/meta.py`` (4-block 64-channel conv net, 32 tasks, 5 inner steps, second order)
 several times faster in fp32 with the default ``min_patch`` (layers 2-4; ``min_patch=1``,
 all four layers, is about the same), and faster than JAX's, with TF32 on both sides too. It
-also compiles faster, but needs more peak memory. Eager it does not pay (the step is
-host-bound), and it holds ``prod(kernel_size)`` times the input in memory per call.
+also compiles faster. Eager it does not pay (the step is host-bound), and it holds
+``prod(kernel_size)`` times the input in memory per call while it runs; the patches are views
+of the input, which compiled backwards can recompute instead of saving (``_patches``).
 Measurements and how to rerun them: ``benchmarks/README.md``.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -28,6 +30,35 @@ __all__ = ["UnfoldConv2d", "unfold_convs"]
 
 def _out_size(size: int, k: int, s: int, p: int, d: int) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _patches(x: Tensor, kernel: tuple[int, ...], dilation: tuple[int, ...],
+             padding: tuple[int, ...], stride: tuple[int, ...], out_size: tuple[int, int],
+             ) -> Tensor:
+    """The ``(C kh kw, B H_out W_out)`` patches of a ``(B, C, H, W)`` input (zero padding):
+    ``F.unfold``'s numbers, rows in its order, the batch moved into the columns.
+
+    Built as ``kh * kw`` strided slices of the (padded) input, stacked, rather than by
+    ``F.unfold`` (``aten.im2col``), which AOTAutograd's min-cut partitioner never recomputes:
+    it saved the patches -- ``kh * kw`` times the input -- of every call for the backward (in
+    a MAML step, for the second-order backward of every inner step). Slices, pads and stacks it
+    may recompute (it does under ``torch._functorch.config.aggressive_recomputation``, which
+    ``compile="inner"`` of the meta train step sets for its compiled pieces). Slices rather
+    than ``Tensor.unfold``: ``unfold_backward`` has no ``vmap`` batching rule (torch 2.13), so
+    an eager double backward under ``vmap`` would loop over the batch. Channels and taps first,
+    so that ``weight.flatten(1) @ patches`` is one GEMM over the whole batch, and under
+    ``vmap`` over tasks a batched GEMM with the per-task weights as they are (``F.unfold``'s
+    ``(B, C kh kw, L)`` made vmapped weights ``(C_out, C kh kw)`` broadcast, materialised,
+    once per image).
+    """
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw), (h_out, w_out) = (kernel, dilation, padding,
+                                                              stride, out_size)
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph))
+    x = x.transpose(0, 1)                                       # (C, B, H, W), a view
+    taps = [x[:, :, i * dh:i * dh + sh * (h_out - 1) + 1:sh,
+              j * dw:j * dw + sw * (w_out - 1) + 1:sw] for i in range(kh) for j in range(kw)]
+    return torch.stack(taps, 1).flatten(0, 1).flatten(1)      # (C kh kw, B H_out W_out)
 
 
 class UnfoldConv2d(nn.Module):
@@ -77,12 +108,13 @@ class UnfoldConv2d(nn.Module):
         h_out, w_out = (_out_size(n, k, s, p, d) for n, k, s, p, d in zip(
             x.shape[2:], self.kernel_size, self.stride, self.padding, self.dilation,
             strict=True))
-        cols = F.unfold(x, self.kernel_size, dilation=self.dilation, padding=self.padding,
-                        stride=self.stride)                     # (B, C_in kh kw, L)
-        out = self.weight.flatten(1) @ cols                     # (B, C_out, L)
+        cols = _patches(x, self.kernel_size, self.dilation, self.padding, self.stride,
+                        (h_out, w_out))
+        out = self.weight.flatten(1) @ cols                     # (C_out, B L)
         if self.bias is not None:  # in out's dtype, as a conv under autocast adds it
             out = out + self.bias[:, None].to(out.dtype)
-        return out.unflatten(-1, (h_out, w_out))
+        # contiguous, as nn.Conv2d's output (callers may .view it); fused with the bias add
+        return out.unflatten(1, (x.shape[0], h_out, w_out)).transpose(0, 1).contiguous()
 
 
 def unfold_convs(module: nn.Module, *, min_patch: int = 64,

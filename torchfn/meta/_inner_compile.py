@@ -23,6 +23,15 @@ are two forward-only compiled functions: the proximal inner step of a task chunk
 called ``inner_steps`` times) and the implicit solve (the query gradient at the inner solution
 and the ``cg_steps`` CG iterations over Hessian-vector products, one graph: ``cg_steps`` is
 fixed and small), plus the same outer update.
+
+The compiled inner step and query loss are compiled (and called) under
+``torch._functorch.config.aggressive_recomputation``: what they save for the outer backward
+lives until the end of the step, ``inner_steps`` times over, so the min-cut partitioner
+recomputes cheap ops (pointwise, views, pads, max-pool indices; never a matmul or a
+convolution) in the backward instead of saving their outputs. For the unfolded convolutions of
+``unfold_convs`` it keeps the inputs, not the ``kh * kw`` times larger patches (on the
+4-block conv net of ``benchmarks/meta.py`` about 4x fewer saved bytes a step:
+``benchmarks/meta.py --saved-bytes``).
 """
 
 from __future__ import annotations
@@ -45,6 +54,20 @@ __all__: list[str] = []
 TensorDict = dict[str, Tensor]
 COMPILE_MODES = (None, "inner")
 _NON_LEAF_GRAD = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+# AOTAutograd settings for the compiled pieces with a backward (module docstring); read when a
+# call compiles (its cache key holds them), so every call of the piece runs under them
+RECOMPUTE_CONFIG = {"aggressive_recomputation": True}
+
+
+class _Recomputing:
+    """``fn(*args)`` (a ``torch.compile``d piece) called under ``RECOMPUTE_CONFIG``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        with torch._functorch.config.patch(RECOMPUTE_CONFIG):
+            return self.fn(*args)
 
 
 def check_inner_compile(learner: MetaLearner, *, amp: str | None, where: str) -> None:
@@ -85,11 +108,12 @@ class InnerCompiledMetaGrad:
     Returns what :meth:`MetaLearner.meta_grad` returns, with the same numbers. Call it eagerly,
     not under ``torch.compile``. ``compile_kwargs`` go to each ``torch.compile``
     (``fullgraph=True`` by default); ``compile_query=False`` leaves the query loss (iMAML: the
-    solve) eager.
+    solve) eager; ``recompute=False`` compiles the inner step and the query loss with
+    AOTAutograd's default partitioning instead of ``RECOMPUTE_CONFIG`` (module docstring).
     """
 
     def __init__(self, learner: MetaLearner, compile_kwargs: Mapping[str, Any] | None = None,
-                 *, compile_query: bool = True) -> None:
+                 *, compile_query: bool = True, recompute: bool = True) -> None:
         self.learner = learner
         kwargs = _compile_kwargs(dict(compile_kwargs or {}), None)
         if isinstance(learner, ImplicitMetaLearner):  # forward-only pieces (module docstring)
@@ -102,9 +126,10 @@ class InnerCompiledMetaGrad:
             model_names=learner._model_names, first_order=learner.first_order,
             lr_prefix=LR_PREFIX if learner.learn_inner_lr else None,
             randomness=learner.randomness)
-        self.inner_step = torch.compile(step, **kwargs)
+        wrap = _Recomputing if recompute else (lambda fn: fn)
+        self.inner_step = wrap(torch.compile(step, **kwargs))
         query = make_region_query(learner)
-        self.query = torch.compile(query, **kwargs) if compile_query else query
+        self.query = wrap(torch.compile(query, **kwargs)) if compile_query else query
 
     def __call__(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
