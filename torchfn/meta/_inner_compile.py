@@ -109,7 +109,10 @@ class InnerCompiledMetaGrad:
     not under ``torch.compile``. ``compile_kwargs`` go to each ``torch.compile``
     (``fullgraph=True`` by default); ``compile_query=False`` leaves the query loss (iMAML: the
     solve) eager; ``recompute=False`` compiles the inner step and the query loss with
-    AOTAutograd's default partitioning instead of ``RECOMPUTE_CONFIG`` (module docstring).
+    AOTAutograd's default partitioning instead of ``RECOMPUTE_CONFIG`` (module docstring) --
+    for benchmarks only: with unfolded convolutions, Inductor on the CPU then returns wrong
+    meta-gradients (float64, relative error ~0.9 on ``benchmarks/meta.py --small``), so no
+    public step exposes it.
     """
 
     def __init__(self, learner: MetaLearner, compile_kwargs: Mapping[str, Any] | None = None,

@@ -105,7 +105,6 @@ def make_meta_train_step(
     seed_rng: bool = True,
     compile: str | None = None,
     compile_kwargs: Mapping[str, Any] | None = None,
-    recompute: bool = True,
 ) -> Callable[[TrainState, Task], tuple[TrainState, dict[str, Tensor]]]:
     """Return ``step(state, tasks) -> (new_state, metrics)``: one outer update.
 
@@ -157,13 +156,11 @@ def make_meta_train_step(
     iterations, one graph) and the outer update. It refuses with ``ValueError`` Reptile,
     MAML++, ``remat=True``, ``compile_regions=True``, ``randomness`` other than ``"error"``
     and ``amp``. With the compile cache of :func:`torchfn.compile.enable_compile_cache`, a new
-    process loads the three graphs instead of building them. ``recompute`` (``compile="inner"``
-    only): ``True`` (default) compiles the inner step and the query loss so that their backward
-    recomputes cheap ops (pointwise, views, pads, max-pool indices, the patches of unfolded
-    convolutions) instead of keeping them for every inner step -- about half the peak memory
-    of ``False`` on ``benchmarks/meta.py``'s conv net, a few percent slower; ``False`` keeps
-    AOTAutograd's default choice. Either way ``step.meta_grad`` is the meta-gradient function the step
-    calls (``learner.meta_grad``, or the one with the compiled inner step).
+    process loads the three graphs instead of building them. The compiled inner step and query
+    loss recompute cheap ops in their backward (pointwise, views, pads, max-pool indices, the
+    patches of unfolded convolutions) instead of keeping them for every inner step. Either way
+    ``step.meta_grad`` is the meta-gradient function the step calls (``learner.meta_grad``, or
+    the one with the compiled inner step).
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -197,18 +194,12 @@ def make_meta_train_step(
     if compile_kwargs is not None and compile is None:
         raise ValueError("make_meta_train_step(compile_kwargs=...): only used with "
                          "compile='inner'; with compile=None pass them to torch.compile(step)")
-    if not isinstance(recompute, bool):
-        raise ValueError(f"make_meta_train_step(recompute=...): expected a bool, got "
-                         f"{recompute!r}")
-    if not recompute and compile is None:
-        raise ValueError("make_meta_train_step(recompute=False): only used with "
-                         "compile='inner'; with compile=None the whole step's compile decides")
     frozen = _frozen(learner)
     k = grad_accum_steps
     meta_grad: Callable[..., tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]]
     if compile == "inner":
         check_inner_compile(learner, amp=amp, where="make_meta_train_step")
-        meta_grad = InnerCompiledMetaGrad(learner, compile_kwargs, recompute=recompute)
+        meta_grad = InnerCompiledMetaGrad(learner, compile_kwargs)
     else:
         meta_grad = learner.meta_grad
 
