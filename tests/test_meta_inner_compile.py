@@ -208,6 +208,33 @@ def test_inner_compiled_with_inductor_equals_eager_cuda():
     _inductor_equals_eager("cuda")
 
 
+@pytest.mark.slow  # Inductor kernel builds on 2 CPU cores
+def test_inner_compiled_unfolded_convs_with_inductor_equal_eager():
+    # benchmarks/meta.py --small's net and tasks with convs 2-4 unfolded: with AOTAutograd's
+    # default partitioning, Inductor on the CPU returned wrong float64 meta-gradients here
+    # (relative error ~0.9); the pieces' recomputing partition (the default) gives eager's
+    from torchfn.compile import unfold_convs
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for c_in in (1, 8, 8, 8):
+        layers += [nn.Conv2d(c_in, 8, 3, padding=1),
+                   nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU(), nn.MaxPool2d(2)]
+    net = nn.Sequential(*layers, nn.Flatten(), nn.Linear(8, 5)).to(DT)
+    fn, params, buffers = make_functional(unfold_convs(net))  # convs 2-4 (C kh kw >= 64)
+    learner = maml(fn, F.cross_entropy, inner_lr=0.01, inner_steps=2)
+    step = make_meta_train_step(learner, sgd(0.1), compile="inner")
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(4, n, 1, 16, 16, generator=g, dtype=DT) for n in (5, 15)]
+    y = [torch.arange(5).repeat_interleave(k).expand(4, -1).contiguous() for k in (1, 3)]
+    tasks = Task(x[0], y[0], x[1], y[1])
+    g_c, loss_c, _ = step.meta_grad(params, buffers, tasks)
+    g_e, loss_e, _ = learner.meta_grad(params, buffers, tasks)
+    _close(g_c, g_e)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-12, atol=1e-14)
+
+
 # -- iMAML ----------------------------------------------------------------------------------------
 
 

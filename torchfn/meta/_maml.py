@@ -115,8 +115,9 @@ class MetaLearner:
     ``make_meta_train_step(compile="inner")``), the convolutions whose weights the inner loop
     adapts run as unfold + matmul -- per-task convolutions as batched GEMMs over the tasks
     instead of grouped cuDNN convolutions, several times faster for the 4-block few-shot conv
-    net's step in fp32 (see ``benchmarks/README.md``), at some more peak memory (the unfolded
-    inputs, ``kh * kw`` times each conv's input, are kept for the backward). Eager calls keep
+    net's step in fp32 (see ``benchmarks/README.md``); a whole-step ``torch.compile`` keeps the
+    unfolded inputs (``kh * kw`` times each conv's input) for the backward, ``compile="inner"``
+    recomputes them there (less peak memory than JAX's on that net). Eager calls keep
     ``nn.Conv2d`` (there the unfolded path is slower). It needs a
     :func:`torchfn.functional.make_functional` ``model_fn`` (it swaps layers of the private
     module copy; ``learner.model_fn``, the param names and checkpoints are unchanged);
