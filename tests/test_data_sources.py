@@ -734,17 +734,23 @@ def test_streaming_announces_ids_before_reading_them(tmp_path):
         assert [k for b in ds for k in b["k"].tolist()] == _rank_stream(ds)[34:]
 
 
+class _Owner:
+    """Something a :class:`SharedDecodeCache` can hang off (its files go when it is collected)."""
+
+
+def _owned_cache():
+    """``(owner, cache)``: a fresh ``SharedDecodeCache`` named "test" tied to ``owner``."""
+    from torchfn.data._shmcache import SharedDecodeCache
+
+    owner = _Owner()
+    return owner, SharedDecodeCache(owner, "test")
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="the shared decode cache needs fcntl")
 def test_shared_decode_cache_skips_a_unit_being_decoded_elsewhere():
     import fcntl
 
-    from torchfn.data._shmcache import SharedDecodeCache
-
-    class Owner:
-        pass
-
-    owner = Owner()
-    cache = SharedDecodeCache(owner, "test")
+    owner, cache = _owned_cache()
     calls = []
 
     def decode():
@@ -772,13 +778,7 @@ def test_shared_decode_cache_skips_a_unit_being_decoded_elsewhere():
 def test_shared_decode_cache_publishes_what_was_decoded_into_its_files():
     import gc
 
-    from torchfn.data._shmcache import SharedDecodeCache
-
-    class Owner:
-        pass
-
-    owner = Owner()
-    cache = SharedDecodeCache(owner, "test")
+    owner, cache = _owned_cache()
     path = cache.path
     want = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -828,13 +828,7 @@ def test_shared_decode_cache_publishes_what_was_decoded_into_its_files():
 def test_shared_decode_cache_recycles_files_only_once_unmapped():
     import gc
 
-    from torchfn.data._shmcache import SharedDecodeCache
-
-    class Owner:
-        pass
-
-    owner = Owner()
-    cache = SharedDecodeCache(owner, "test")
+    owner, cache = _owned_cache()
 
     def unit(v):
         return lambda: {"a": np.full((3, 4), float(v))}
