@@ -627,6 +627,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"{what}: unknown {bad}; expected a comma-separated subset of "
                              f"{', '.join(allowed)}")
     cfgs = configs(args.tiny)
+    if getattr(args, "batch", None) is not None:
+        if args.batch < 1:
+            raise SystemExit(f"--batch: expected a positive int, got {args.batch}")
+        cfgs = {w: {**c, "batch": args.batch} for w, c in cfgs.items()}
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "device": device_name(device),
         "versions": _versions(), "command": args.command, "tf32": set_tf32_off(),
@@ -699,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up calls per row, the first timed alone (default 3; --tiny 1)")
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke test)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="samples per step for every workload (default: GPT-2 8, ViT 32)")
     parser.add_argument("--untie", action="store_true", help="untie GPT-2's wte and lm_head")
     parser.add_argument("--positions", choices=("expanded", "model"), default="expanded",
                         help="GPT-2 position ids: (B, T) passed in, or the model's own (1, T)")
