@@ -181,7 +181,10 @@ Row = tuple[Callable[[Any], Any], Any, int, dict[str, Any]]
 
 
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, fullgraph=True)
+    """``torch.compile(fn, fullgraph=True)`` with the step's ``inductor_options``
+    (``torchfn.compile.compile_step``'s rule, without its log)."""
+    opts = getattr(fn, "inductor_options", None)
+    return torch.compile(fn, fullgraph=True, **({"options": dict(opts)} if opts else {}))
 
 
 def _row_data_parallel(variant: str, world: int, rank: int, device: torch.device,

@@ -213,3 +213,112 @@ def test_dp_step_inductor_options_are_applied(monkeypatch) -> None:
     make_graphed_step(step, init_dp_state(params, buffers, opt, seed=0), b, valid,
                       compile={"mode": "default"})
     assert "options" not in seen[-1]
+
+
+def _step_kinds():
+    """Each public step kind built on a tiny model: ``(name, step)``."""
+    import torchfn.distributed as tdist
+    from torchfn.functional import make_functional
+    from torchfn.meta import make_meta_train_step, maml
+
+    net = mlp("cpu")
+    model_fn, _, _ = make_functional(net)
+    opt = adam(1e-2)
+    ens = Ensemble.from_seeds(lambda: mlp("cpu"), seeds=range(2))
+    learner = maml(model_fn, F.cross_entropy, inner_lr=0.1, inner_steps=1)
+    return [("train", make_train_step(model_fn, F.cross_entropy, opt)),
+            ("ensemble", make_ensemble_train_step(ens.model_fn, F.cross_entropy,
+                                                  stacked_adam(lr=1e-2))),
+            ("meta", make_meta_train_step(learner, opt)),
+            ("data parallel", tdist.make_data_parallel_train_step(model_fn, F.cross_entropy,
+                                                                    opt)),
+            ("distributed meta", tdist.make_distributed_meta_train_step(learner, opt))]
+
+
+def test_every_step_kind_carries_the_inductor_options_compile_step_applies(monkeypatch) -> None:
+    """Buffer reuse off for every step kind (docs/design.md: Inductor reused a CPU philox
+    buffer of memory-efficient attention for a CUDA output), applied by compile_step."""
+    from torchfn._checks import STEP_INDUCTOR_OPTIONS
+    from torchfn.compile import compile_step
+
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kwargs):
+        seen.append(kwargs)
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    assert dict(STEP_INDUCTOR_OPTIONS) == {"allow_buffer_reuse": False}
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        kinds = _step_kinds()
+    finally:
+        dist.destroy_process_group()
+    for name, step in kinds:
+        assert dict(step.inductor_options) == {"allow_buffer_reuse": False}, name
+        compile_step(step, log=None)
+        assert seen[-1] == {"fullgraph": True, "options": {"allow_buffer_reuse": False}}, name
+        compile_step(step, log=None, mode="max-autotune-no-cudagraphs")
+        assert "options" not in seen[-1], name
+
+
+def test_compile_step_train_step_without_buffer_reuse_equals_eager() -> None:
+    from torchfn.compile import compile_step
+
+    net = mlp("cpu")
+    from torchfn.functional import make_functional
+
+    model_fn, params, buffers = make_functional(net)
+    opt = adam(1e-2)
+    step = make_train_step(model_fn, F.cross_entropy, opt, max_grad_norm=1.0)
+    compiled = compile_step(step, log=None)
+    ref = mine = init_train_state(params, buffers, opt, seed=0)
+    for b in batches(3, "cpu"):
+        ref, m_ref = step(ref, b)
+        mine, m = compiled(mine, b)
+        torch.testing.assert_close(m["loss"], m_ref["loss"], rtol=1e-12, atol=0)
+    assert_trees_close(mine.params, ref.params, rtol=1e-12, atol=1e-12)
+    assert_trees_close(mine.opt_state, ref.opt_state, rtol=1e-12, atol=1e-12)
+    torch.compiler.reset()
+
+
+class _Attention(nn.Module):
+    """One self-attention layer through ``F.scaled_dot_product_attention`` (float32 on CUDA:
+    the memory-efficient kernel, whose philox outputs are CPU tensors)."""
+
+    def __init__(self, d: int = 32, heads: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, classes)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(b, t, d).mean(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_attention_train_step_with_adam_equals_eager_on_cuda() -> None:
+    from torchfn.compile import compile_step
+    from torchfn.functional import make_functional
+
+    torch.manual_seed(0)
+    net = _Attention().cuda()
+    model_fn, params, buffers = make_functional(net)
+    opt = adam(1e-2)
+    step = make_train_step(model_fn, F.cross_entropy, opt)
+    compiled = compile_step(step, log=None)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 16, 32, generator=g).cuda(), torch.randint(0, 5, (8,), generator=g)
+             .cuda()) for _ in range(3)]
+    ref = mine = init_train_state(params, buffers, opt, seed=0)
+    for b in data:
+        ref, _ = step(ref, b)
+        mine, _ = compiled(mine, b)
+    assert_trees_close(mine.params, ref.params, rtol=1e-4, atol=1e-5)
+    torch.compiler.reset()

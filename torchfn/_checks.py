@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -148,6 +149,18 @@ def _check_rank(world_size: int, rank: int, owner: str) -> None:
         raise ValueError(
             f"{owner}(rank={rank!r}, world_size={world_size}): expected 0 <= rank < world_size"
         )
+
+
+#: Inductor options every compiled torchfn step gets from :func:`torchfn.compile.compile_step`,
+#: :func:`torchfn.compile.make_graphed_step` and the steps' own ``compile`` methods (the
+#: ``inductor_options`` attribute of each step). Inductor's pooled buffer reuse can hand a
+#: CUDA kernel a buffer that lives on the CPU at run time, and the launch then fails ("CUDA
+#: driver error: invalid argument"; Triton: "Pointer argument ... cannot be accessed from
+#: Triton (cpu tensor?)"). Seen on torch 2.11: the 0-d int64 philox seed/offset outputs of
+#: ``_scaled_dot_product_efficient_attention`` (CPU tensors at run time) reused for an Adam
+#: step count in a 117M decoder's train step, and a reused buffer in the DP step's noise-key
+#: kernel. Without reuse the caching allocator still recycles freed memory.
+STEP_INDUCTOR_OPTIONS: Mapping[str, Any] = MappingProxyType({"allow_buffer_reuse": False})
 
 
 def _compile_kwargs(kwargs: Mapping[str, Any], options: Mapping[str, Any] | None

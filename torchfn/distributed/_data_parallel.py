@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _replace
+from torchfn._checks import STEP_INDUCTOR_OPTIONS, _replace
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import (
     DEFAULT_BUCKET_MB,
@@ -112,4 +112,5 @@ def make_data_parallel_train_step(
             new_state = _replace(new_state, buffers=buffers)
         return new_state, metrics
 
+    step.inductor_options = STEP_INDUCTOR_OPTIONS  # type: ignore[attr-defined]
     return step

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _check_rank, _leading_size, _replace
+from torchfn._checks import STEP_INDUCTOR_OPTIONS, _check_rank, _leading_size, _replace
 from torchfn.distributed._env import world_info
 from torchfn.distributed._reduce import DEFAULT_BUCKET_MB, all_reduce_tree
 from torchfn.functional import TrainState
@@ -93,4 +93,5 @@ def make_distributed_meta_train_step(
         buffers = {k: red.get(f"buffer/{k}", v) for k, v in new_state.buffers.items()}
         return _replace(new_state, buffers=buffers), {**metrics, "loss": red["loss"]}
 
+    step.inductor_options = STEP_INDUCTOR_OPTIONS  # type: ignore[attr-defined]
     return step

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _replace
+from torchfn._checks import STEP_INDUCTOR_OPTIONS, _replace
 from torchfn.distributed._blocks import make_blocked_model
 from torchfn.distributed._donate import (
     DonationPlan,
@@ -439,6 +439,7 @@ def make_sharded_train_step(
                                              spec, where)
         return plans[spec]
 
+    step.inductor_options = STEP_INDUCTOR_OPTIONS  # type: ignore[attr-defined]
     return step
 
 

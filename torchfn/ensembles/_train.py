@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
-from torchfn._checks import _call_model, _call_translated, _part, _replace
+from torchfn._checks import STEP_INDUCTOR_OPTIONS, _call_model, _call_translated, _part, _replace
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
 from torchfn.functional import (
     DynamicLossScaler,
@@ -297,6 +297,7 @@ def make_ensemble_train_step(
             del metrics["grad_norm"]
         return new_state, metrics
 
+    step.inductor_options = STEP_INDUCTOR_OPTIONS  # type: ignore[attr-defined]
     return step
 
 

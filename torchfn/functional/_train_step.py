@@ -28,7 +28,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import _call_model, _call_translated, _part
+from torchfn._checks import STEP_INDUCTOR_OPTIONS, _call_model, _call_translated, _part
 from torchfn.functional._core import (
     DynamicLossScaler,
     LossScaleState,
@@ -165,7 +165,7 @@ def step_rng(state: TrainState) -> Iterator[int]:
     on exit their previous states are restored, so the global random stream outside is
     untouched. The eager train step enters it itself; wrap a *compiled* step in it::
 
-        compiled = torch.compile(make_train_step(...), fullgraph=True)
+        compiled = torchfn.compile.compile_step(make_train_step(...))
         with step_rng(state):
             state, metrics = compiled(state, batch)
 
@@ -277,8 +277,15 @@ def make_train_step(
     ``lr`` if asked, and for fp16 ``loss_scale`` (after this step). The gradients are applied
     by :func:`apply_gradients`, the core every torchfn step kind shares.
 
+    Compiling: ``torchfn.compile.compile_step(step)`` is ``torch.compile(step, fullgraph=True)``
+    with the Inductor options in ``step.inductor_options`` (buffer reuse off); with a bare
+    ``torch.compile`` pass ``options=dict(step.inductor_options)``. On CUDA, Inductor's buffer
+    reuse otherwise can hand a kernel a CPU buffer and the launch fails with "CUDA driver error:
+    invalid argument" (torch 2.11: the philox outputs of memory-efficient attention reused for
+    an Adam step count; see ``docs/design.md``).
+
     CUDA graphs: :func:`make_graphed_step` captures the step as one graph with the state
-    updated in place (the fastest form). With ``torch.compile(step, mode="reduce-overhead")``
+    updated in place (the fastest form; it applies ``step.inductor_options`` too). With ``torch.compile(step, mode="reduce-overhead")``
     instead, the returned tensors live in the graphs' memory pool, which the next call reuses,
     yet the state is the next call's input; clone it after each call
     (``state = optree.tree_map(torch.clone, state)``, kept metrics too) and move
@@ -370,5 +377,6 @@ def make_train_step(
             return apply_gradients(optimizer, grads, state, options=options, trainable=names,
                                    loss=loss, buffers=buffers, where="train step")
 
+    step.inductor_options = STEP_INDUCTOR_OPTIONS  # type: ignore[attr-defined]
     return step
 

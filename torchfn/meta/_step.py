@@ -11,7 +11,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
-from torchfn._checks import _part
+from torchfn._checks import STEP_INDUCTOR_OPTIONS, _part
 from torchfn.functional import (
     DynamicLossScaler,
     StepOptions,
@@ -238,4 +238,5 @@ def make_meta_train_step(
             return outer(grads, state, names, loss, buffers)
 
     step.meta_grad = meta_grad  # type: ignore[attr-defined]
+    step.inductor_options = STEP_INDUCTOR_OPTIONS  # type: ignore[attr-defined]
     return step

@@ -49,14 +49,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import _compile_kwargs, _part, _replace
+from torchfn._checks import STEP_INDUCTOR_OPTIONS, _compile_kwargs, _part, _replace
 from torchfn.functional import (
     DynamicLossScaler,
     LossScaleState,
@@ -268,7 +267,7 @@ class DPTrainStep:
 
     #: Inductor options every compiled form of this step needs (see :meth:`compile`);
     #: :func:`torchfn.compile.make_graphed_step` applies them too.
-    inductor_options: ClassVar[Mapping[str, Any]] = MappingProxyType({"allow_buffer_reuse": False})
+    inductor_options: ClassVar[Mapping[str, Any]] = STEP_INDUCTOR_OPTIONS
 
     def __init__(self, ghost: GhostModel, loss_fn: LossFn, optimizer: GradientTransformation,
                  *, noise_multiplier: float, sample_rate: float, dataset_size: int,
@@ -551,12 +550,11 @@ class DPTrainStep:
         """Return a copy whose step, clipped_sum and apply are ``torch.compile(fullgraph=True)``.
 
         ``kwargs`` go to ``torch.compile``. Unless ``options``, ``mode`` or a backend other than
-        Inductor is given, Inductor's
-        buffer reuse is switched off (``options={"allow_buffer_reuse": False}``): on CUDA
-        (torch 2.11) the fused step of a 4-layer transformer otherwise failed at launch with "CUDA
-        driver error: invalid argument" -- Inductor handed the one-element kernel that advances
-        the noise key a reused buffer whose pointer Triton cannot access. Without reuse the
-        step runs, equals eager, and was not slower in the benchmarks (with lower peak memory).
+        Inductor is given, Inductor's buffer reuse is switched off (:attr:`inductor_options`, as
+        for every torchfn step): on CUDA (torch 2.11) a reused buffer can be a CPU tensor at run
+        time (the philox outputs of memory-efficient attention), and the fused step of a 4-layer
+        transformer then failed at launch with "CUDA driver error: invalid argument". Without
+        reuse the step runs, equals eager, and was not slower in the benchmarks.
         """
         new = DPTrainStep.__new__(DPTrainStep)
         new.__dict__.update(self.__dict__)
