@@ -310,7 +310,9 @@ def test_compiled_attention_train_step_with_adam_equals_eager_on_cuda() -> None:
     torch.manual_seed(0)
     net = _Attention().cuda()
     model_fn, params, buffers = make_functional(net)
-    opt = adam(1e-2)
+    # eps large enough that Adam does not turn float32 round-off of a near-zero gradient
+    # component into a +-lr update (compiled and eager kernels round differently)
+    opt = adam(1e-2, eps=1e-3)
     step = make_train_step(model_fn, F.cross_entropy, opt)
     compiled = compile_step(step, log=None)
     g = torch.Generator().manual_seed(3)
@@ -318,7 +320,8 @@ def test_compiled_attention_train_step_with_adam_equals_eager_on_cuda() -> None:
              .cuda()) for _ in range(3)]
     ref = mine = init_train_state(params, buffers, opt, seed=0)
     for b in data:
-        ref, _ = step(ref, b)
-        mine, _ = compiled(mine, b)
-    assert_trees_close(mine.params, ref.params, rtol=1e-4, atol=1e-5)
+        ref, m_ref = step(ref, b)
+        mine, m = compiled(mine, b)
+        torch.testing.assert_close(m["loss"], m_ref["loss"], rtol=1e-4, atol=1e-5)
+    assert_trees_close(mine.params, ref.params, rtol=1e-3, atol=1e-4)
     torch.compiler.reset()
