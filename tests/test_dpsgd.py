@@ -304,3 +304,64 @@ def test_forward_that_updates_buffers_is_refused() -> None:
     state = init_dp_state(params, buffers, opt, seed=0)
     with pytest.raises(ValueError, match="updated buffer 'seen'"):
         step(state, (torch.randn(4, 3), torch.randint(0, 2, (4,))), torch.ones(4, dtype=bool))
+
+
+def _sqrt_abs_loss(out: Tensor, y: Tensor) -> Tensor:
+    """Per-sample loss that is finite at ``out == 0`` while its gradient there is NaN."""
+    return out.abs().sqrt().sum(-1) + 0.0 * y
+
+
+@pytest.mark.parametrize("where", ["valid", "padding"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nonfinite_gradient_with_finite_loss_skips_the_step(where, compiled) -> None:
+    """The guard reads finiteness off the per-sample norms (norm_sum), not a pass over the
+    noisy gradient: a sample whose loss is finite but whose gradient is NaN -- a padding one
+    too, whose zero coefficient times NaN would poison the clipped sum -- skips the step."""
+    from torchfn.optim import adam
+
+    torch.manual_seed(0)
+    ghost, params, buffers = make_ghost_model(nn.Sequential(nn.Linear(4, 3, bias=False)).to(F64))
+    opt = adam(1e-2)  # torchopt's adam does not trace (docs/design.md)
+    step = make_dp_train_step(ghost, _sqrt_abs_loss, opt, noise_multiplier=1.0,
+                              max_grad_norm=1.0, sample_rate=0.2, dataset_size=50)
+    run = step.compile(backend="aot_eager") if compiled else step
+    state = init_dp_state(params, buffers, opt, seed=0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 4, dtype=F64, generator=g), torch.zeros(6, dtype=F64)
+    valid = torch.tensor([False, True, True, True, True, True])
+    x[1 if where == "valid" else 0] = 0.0  # output exactly 0: finite loss, NaN gradient
+    new, metrics = run(state, (x, y), valid)
+    assert torch.isfinite(metrics["loss"])
+    assert bool(metrics["skipped"]) and int(new.skipped) == 1
+    assert "grad_norm" not in metrics
+    for k in params:
+        assert torch.equal(new.params[k], state.params[k]), k
+    x[x.abs().sum(1) == 0] = 1.0
+    new, metrics = run(state, (x, y), valid)
+    assert not bool(metrics["skipped"])
+    assert all(torch.isfinite(v).all() and not torch.equal(v, state.params[k])
+               for k, v in new.params.items())
+    torch.compiler.reset()
+
+
+def test_apply_gradients_grads_finite_replaces_the_norm_pass_only_without_clipping() -> None:
+    from torchfn.functional import StepOptions, apply_gradients, init_train_state
+
+    opt = torchopt.sgd(0.1)
+    state = init_train_state({"w": torch.ones(3, dtype=F64)}, {}, opt, seed=0)
+    g = {"w": torch.tensor([1.0, 2.0, 2.0], dtype=F64)}
+    yes, no = torch.tensor(True), torch.tensor(False)
+    new, m = apply_gradients(opt, g, state, grads_finite=yes)
+    assert "grad_norm" not in m and not bool(m["skipped"])
+    torch.testing.assert_close(new.params["w"], torch.ones(3, dtype=F64) - 0.1 * g["w"])
+    new, m = apply_gradients(opt, g, state, grads_finite=no)
+    assert bool(m["skipped"]) and torch.equal(new.params["w"], state.params["w"])
+    # global-norm clipping needs the norm: measured as without the hint
+    new, m = apply_gradients(opt, g, state, grads_finite=yes,
+                             options=StepOptions(max_grad_norm=1.0))
+    torch.testing.assert_close(m["grad_norm"], torch.tensor(3.0, dtype=F64))
+    torch.testing.assert_close(new.params["w"], torch.ones(3, dtype=F64) - 0.1 * g["w"] / 3,
+                               rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="grads_finite is for one model"):
+        apply_gradients(opt, {"w": g["w"][None]}, state._replace(
+            params={"w": state.params["w"][None]}), grads_finite=yes, per_member=True)

@@ -478,6 +478,7 @@ def apply_gradients(
     buffers: Mapping[str, Tensor] | None = None,
     per_member: bool = False,
     unscale: bool = True,
+    grads_finite: Tensor | None = None,
     where: str = "apply_gradients",
 ) -> tuple[Any, dict[str, Tensor]]:
     """Return ``(new_state, metrics)``: ``grads`` applied to ``state`` by ``optimizer``.
@@ -497,6 +498,10 @@ def apply_gradients(
     (ensembles): norms, clipping, the guard and the loss scale are per member (``(N,)``).
     ``unscale=False``: the grads are unscaled already (DP-SGD unscales per sample, before
     clipping); the loss scale is still updated.
+    ``grads_finite`` (one model only): a 0-d bool the caller guarantees is False whenever some
+    gradient element is not finite (DP-SGD derives it from the per-sample norms: finite norms
+    bound the clipped, noised sum). With it, and no ``max_grad_norm``/``clip_value`` to apply,
+    the guard uses it instead of reading every gradient, and ``metrics`` has no ``grad_norm``.
 
     ``metrics`` (0-d, or ``(N,)`` per member): ``grad_norm`` (before clipping), ``loss`` if
     given, ``skipped`` (bool) if guarded, ``loss_scale`` for fp16, ``lr`` if
@@ -531,7 +536,15 @@ def apply_gradients(
 
     leaves = list(g.values())
     finite: Tensor | None = None
-    if per_member or not leaves:
+    grad_norm: Tensor | None = None
+    if grads_finite is not None and per_member:
+        raise ValueError(f"{where}: grads_finite is for one model (per_member=False)")
+    if (grads_finite is not None and opts.max_grad_norm is None and opts.clip_value is None
+            and leaves):
+        # the caller proved finiteness more cheaply than a pass over every gradient
+        if opts.guard:
+            finite = grads_finite.to(device=leaves[0].device, dtype=torch.bool)
+    elif per_member or not leaves:
         if opts.guard and leaves:
             with _part("torchfn.nonfinite_guard"):
                 finite = _finite(leaves, per_member)
@@ -573,7 +586,7 @@ def apply_gradients(
     new_params = {k: updated[k] if k in g else v for k, v in params.items()}
     new_buffers = dict(buffers) if buffers is not None else state.buffers
 
-    metrics: dict[str, Tensor] = {"grad_norm": grad_norm.detach()}
+    metrics: dict[str, Tensor] = {} if grad_norm is None else {"grad_norm": grad_norm.detach()}
     if loss is not None:
         metrics["loss"] = loss.detach()
     fields: dict[str, Any] = {}

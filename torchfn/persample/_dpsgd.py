@@ -447,12 +447,21 @@ class DPTrainStep:
         loss = total.loss_sum / denom
         guard_loss = loss if finite is None else torch.where(
             finite, loss, torch.full_like(loss, float("nan")))
+        kw: dict[str, Tensor] = {}
+        if apply is None and finite is None:
+            # finite per-sample norms (norm_sum: every sample, padding included, as 0 * nan is
+            # nan) bound every clipped per-sample gradient, so the clipped sum plus the finite
+            # noise is finite: the guard needs no pass over the noisy gradient
+            witness = torch.isfinite(total.norm_sum)
+            if isinstance(clip_norm, Tensor):
+                witness = witness & torch.isfinite(clip_norm)
+            kw["grads_finite"] = witness
         # the clipped sum is unscaled already (per sample, before clipping): no second unscale
         with _part("torchfn.apply_gradients"):
             new_state, core = (apply or apply_gradients)(self._optimizer, grads, state,
                                               options=self._options, trainable=noised,
                                               loss=guard_loss, unscale=False,
-                                              where="DP-SGD step")
+                                              where="DP-SGD step", **kw)
         n_layers = len(self.layer_thresholds) if self.layer_thresholds is not None else 1
         metrics = {
             "loss": loss,
