@@ -191,8 +191,10 @@ def test_step_that_changes_the_state_shape_is_refused_clearly(compile) -> None:
         make_graphed_step(step, {"w": torch.zeros(3)}, torch.ones(2), compile=compile)
 
 
-def test_dp_step_inductor_options_are_applied(monkeypatch) -> None:
-    seen = []
+@pytest.fixture
+def compile_calls(monkeypatch) -> list[dict]:
+    """The keyword arguments of every ``torch.compile`` call made in the test, in order."""
+    seen: list[dict] = []
     real = torch.compile
 
     def spy(fn, **kwargs):
@@ -200,6 +202,11 @@ def test_dp_step_inductor_options_are_applied(monkeypatch) -> None:
         return real(fn, **kwargs)
 
     monkeypatch.setattr(torch, "compile", spy)
+    return seen
+
+
+def test_dp_step_inductor_options_are_applied(compile_calls) -> None:
+    seen = compile_calls
     net = nn.Linear(5, 3).to(F64)
     ghost, params, buffers = make_ghost_model(net)
     opt = torchopt.sgd(0.1)
@@ -235,20 +242,13 @@ def _step_kinds():
             ("distributed meta", tdist.make_distributed_meta_train_step(learner, opt))]
 
 
-def test_every_step_kind_carries_the_inductor_options_compile_step_applies(monkeypatch) -> None:
+def test_every_step_kind_carries_the_inductor_options_compile_step_applies(compile_calls) -> None:
     """Buffer reuse off for every step kind (docs/design.md: Inductor reused a CPU philox
     buffer of memory-efficient attention for a CUDA output), applied by compile_step."""
     from torchfn._checks import STEP_INDUCTOR_OPTIONS
     from torchfn.compile import compile_step
 
-    seen = []
-    real = torch.compile
-
-    def spy(fn, **kwargs):
-        seen.append(kwargs)
-        return real(fn, **kwargs)
-
-    monkeypatch.setattr(torch, "compile", spy)
+    seen = compile_calls
     assert dict(STEP_INDUCTOR_OPTIONS) == {"allow_buffer_reuse": False}
     import torch.distributed as dist
 
