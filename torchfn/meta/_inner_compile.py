@@ -110,9 +110,12 @@ class InnerCompiledMetaGrad:
     (``fullgraph=True`` by default); ``compile_query=False`` leaves the query loss (iMAML: the
     solve) eager; ``recompute=False`` compiles the inner step and the query loss with
     AOTAutograd's default partitioning instead of ``RECOMPUTE_CONFIG`` (module docstring) --
-    for benchmarks only: with unfolded convolutions, Inductor on the CPU then returns wrong
-    meta-gradients (float64, relative error ~0.9 on ``benchmarks/meta.py --small``), so no
-    public step exposes it.
+    for benchmarks only: Inductor on the CPU then returns wrong meta-gradients for conv + BN +
+    ReLU + MaxPool nets (float64, relative error ~0.9 on ``benchmarks/meta.py --small``): the
+    max-pool backward's ``scatter_add`` target is a saved zeros buffer, and Inductor fuses the
+    ReLU backward's read of it into a kernel that runs before the scatter
+    (``benchmarks/repro_inductor_maxpool_backward_fusion.py``, torch only). Recomputation
+    does not save that buffer, so no public step exposes ``recompute=False``.
     """
 
     def __init__(self, learner: MetaLearner, compile_kwargs: Mapping[str, Any] | None = None,

@@ -37,7 +37,7 @@ before the scatter has written into it: a fusion that ignores the read-after-mut
 dependency (or creates a cycle through the scatter). Under aggressive recomputation the zeros
 are recomputed rather than saved, and the fusion does not happen.
 
-Usage: python benchmarks/repro_inductor_unfold_metagrad.py [--n 2] [--hw 4] [--c 2]
+Usage: python benchmarks/repro_inductor_maxpool_backward_fusion.py [--n 2] [--hw 4] [--c 2]
        [--backend inductor] [--options JSON] [--no-grad]
 Exit status 1 when compiled and eager differ (relative error > 1e-8), else 0.
 """
