@@ -253,8 +253,8 @@ def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[s
     Inductor writes the new state straight into the old buffers -- a dict gives more
     ``torch.compile`` arguments (e.g. ``{"options": {...}}``), ``False`` captures the eager
     step (eager steps may take a slower generic path inside the capture). A step with an
-    ``inductor_options`` attribute (:class:`DPTrainStep`) gets those options unless the
-    ``compile`` dict names a mode, options or another backend.
+    ``inductor_options`` attribute (every torchfn step: buffer reuse off) gets those options
+    unless the ``compile`` dict names a mode, options or another backend.
     ``warmup`` calls run on a side stream before capture (the first compiles).
 
     The step must be capturable: no host synchronisation (``.item()``, printing, data-dependent
