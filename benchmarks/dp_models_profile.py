@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="samples per step (default: the workload's, as in dp_models.py)")
     ap.add_argument("--top", type=int, default=25, help="kernel rows per table")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--trace-dir", type=Path, default=None, help="write Chrome traces here")
@@ -64,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {args.device}, TF32 {set_tf32_off()}, workload "
           f"{args.workload}, precision {args.precision}", flush=True)
     cfg = configs(args.tiny)[args.workload]
+    if args.batch is not None:
+        if args.batch < 1:
+            ap.error(f"--batch: expected a positive int, got {args.batch}")
+        cfg = {**cfg, "batch": args.batch}
     template = build_model(args.workload, cfg, untie=False, expand_positions=True)
     for variant in variants:
         model = template.to(device)
