@@ -239,7 +239,10 @@ def _step_kinds():
             ("meta", make_meta_train_step(learner, opt)),
             ("data parallel", tdist.make_data_parallel_train_step(model_fn, F.cross_entropy,
                                                                     opt)),
-            ("distributed meta", tdist.make_distributed_meta_train_step(learner, opt))]
+            ("distributed meta", tdist.make_distributed_meta_train_step(learner, opt)),
+            ("sharded", tdist.make_sharded_train_step(
+                model_fn, F.cross_entropy, opt, tdist.ShardLayout.from_params(
+                    {k: v.detach() for k, v in net.named_parameters()})))]
 
 
 def test_every_step_kind_carries_the_inductor_options_compile_step_applies(compile_calls) -> None:
