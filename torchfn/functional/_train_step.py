@@ -285,9 +285,10 @@ def make_train_step(
     an Adam step count; see ``docs/design.md``).
 
     CUDA graphs: :func:`make_graphed_step` captures the step as one graph with the state
-    updated in place (the fastest form; it applies ``step.inductor_options`` too). With ``torch.compile(step, mode="reduce-overhead")``
-    instead, the returned tensors live in the graphs' memory pool, which the next call reuses,
-    yet the state is the next call's input; clone it after each call
+    updated in place (the fastest form; it applies ``step.inductor_options`` too). With
+    ``torch.compile(step, mode="reduce-overhead")`` instead, the returned tensors live in the
+    graphs' memory pool, which the next call reuses, yet the state is the next call's input;
+    clone it after each call
     (``state = optree.tree_map(torch.clone, state)``, kept metrics too) and move
     ``state.step``/``state.seed`` to the GPU (an op on the CPU keeps the graph out of CUDA
     graphs; ``step_rng`` then syncs to read them).
