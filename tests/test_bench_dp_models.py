@@ -104,3 +104,28 @@ def test_time_budget_skips_rows_and_bad_names_are_refused(tmp_path: Path):
                                   for r in res["results"])
     with pytest.raises(SystemExit, match=r"--variants: unknown \['dpsgd'\]"):
         _load().main(["--tiny", "--device", "cpu", "--variants", "dpsgd"])
+
+
+def test_profile_kernel_family_diff_groups_triton_indices_and_orders_by_difference():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("dp_models_profile",
+                                                      BENCH / "dp_models_profile.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCH))
+    from torchfn.compile import OpTime
+
+    base = [OpTime("triton_poi_fused_add_3", 2, 0.0, 0.5), OpTime("gemm", 4, 0.0, 1.0)]
+    other = [OpTime("triton_poi_fused_add_7", 1, 0.0, 0.25),
+             OpTime("triton_poi_fused_add_9", 3, 0.0, 0.5),
+             OpTime("gemm", 4, 0.0, 1.0),
+             OpTime("noise_kernel", 1, 0.0, 0.75)]
+    assert mod.kernel_families(other)["triton_poi_fused_add"] == (0.75, 4)
+    lines = mod.family_diff(base, other, rows=3).splitlines()
+    assert lines[1].split()[0] == "+0.750" and lines[1].endswith("noise_kernel")
+    assert lines[2].split()[0] == "+0.250" and lines[2].endswith("triton_poi_fused_add")
+    assert lines[3].split()[0] == "+0.000" and lines[3].endswith("gemm")
+    # host time where no device was profiled
+    assert mod.kernel_families([OpTime("aten::mul_1", 2, 0.3, None)]) == {"aten::mul": (0.3, 2)}
