@@ -27,10 +27,11 @@ pytestmark = [
 TORCHFN_ROWS = "nonprivate-eager,dpsgd-eager,torch-eager,vmap-dpsgd"
 
 
-def _load():
+def _load(name: str = "dp_models"):
+    """Import ``benchmarks/<name>.py`` (with ``benchmarks/`` on the path for its imports)."""
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("dp_models", BENCH / "dp_models.py")
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
@@ -107,14 +108,7 @@ def test_time_budget_skips_rows_and_bad_names_are_refused(tmp_path: Path):
 
 
 def test_profile_kernel_family_diff_groups_triton_indices_and_orders_by_difference():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("dp_models_profile",
-                                                      BENCH / "dp_models_profile.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
+    mod = _load("dp_models_profile")
     from torchfn.compile import OpTime
 
     base = [OpTime("triton_poi_fused_add_3", 2, 0.0, 0.5), OpTime("gemm", 4, 0.0, 1.0)]
