@@ -84,6 +84,7 @@ from meta import conv_net, make_tasks
 from torch import Tensor, nn
 
 from torchfn import distributed as tdist
+from torchfn.compile import compile_step
 from torchfn.ensembles import Ensemble, init_ensemble_state, make_ensemble_train_step
 from torchfn.functional import init_train_state, make_functional, make_train_step
 from torchfn.meta import init_meta_state, make_meta_train_step, maml, sinusoid_tasks
@@ -181,10 +182,8 @@ Row = tuple[Callable[[Any], Any], Any, int, dict[str, Any]]
 
 
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(fn, fullgraph=True)`` with the step's ``inductor_options``
-    (``torchfn.compile.compile_step``'s rule, without its log)."""
-    opts = getattr(fn, "inductor_options", None)
-    return torch.compile(fn, fullgraph=True, **({"options": dict(opts)} if opts else {}))
+    """``torch.compile(fn, fullgraph=True)`` with the step's ``inductor_options``, no log."""
+    return compile_step(fn, log=None)
 
 
 def _row_data_parallel(variant: str, world: int, rank: int, device: torch.device,

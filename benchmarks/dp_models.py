@@ -120,8 +120,12 @@ class ImageClassifier(nn.Module):
         return self.model(pixel_values=x).logits
 
 
-def configs(tiny: bool) -> dict[str, dict[str, Any]]:
-    """Model sizes and batch shapes per workload (``tiny``: the CPU smoke-test sizes)."""
+def configs(tiny: bool, batch: int | None = None) -> dict[str, dict[str, Any]]:
+    """Model sizes and batch shapes per workload (``tiny``: the CPU smoke-test sizes);
+    ``batch`` (a positive int) replaces every workload's samples per step."""
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
+                              or batch < 1):
+        raise ValueError(f"configs(batch=...): expected a positive int, got {batch!r}")
     if tiny:
         gpt2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 128, "n_positions": 32}
         vit = {"image_size": 16, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 2,
@@ -133,8 +137,9 @@ def configs(tiny: bool) -> dict[str, dict[str, Any]]:
         vit = {"image_size": 224, "patch_size": 16, "hidden_size": 768, "num_hidden_layers": 12,
                "num_attention_heads": 12, "intermediate_size": 3072, "num_labels": 1000}
         lm, img = {"batch": 8, "seq": 256}, {"batch": 32}
-    return {"gpt2": {"model": gpt2, **lm}, "gpt2-lora": {"model": gpt2, "lora_r": 8, **lm},
-            "vit": {"model": vit, **img}}
+    out = {"gpt2": {"model": gpt2, **lm}, "gpt2-lora": {"model": gpt2, "lora_r": 8, **lm},
+           "vit": {"model": vit, **img}}
+    return out if batch is None else {w: {**c, "batch": batch} for w, c in out.items()}
 
 
 def build_model(name: str, cfg: dict[str, Any], untie: bool, expand_positions: bool) -> nn.Module:
@@ -626,11 +631,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if bad:
             raise SystemExit(f"{what}: unknown {bad}; expected a comma-separated subset of "
                              f"{', '.join(allowed)}")
-    cfgs = configs(args.tiny)
-    if getattr(args, "batch", None) is not None:
-        if args.batch < 1:
-            raise SystemExit(f"--batch: expected a positive int, got {args.batch}")
-        cfgs = {w: {**c, "batch": args.batch} for w, c in cfgs.items()}
+    try:
+        cfgs = configs(args.tiny, getattr(args, "batch", None))
+    except ValueError as e:
+        raise SystemExit(f"--batch: {e}") from None
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "device": device_name(device),
         "versions": _versions(), "command": args.command, "tf32": set_tf32_off(),

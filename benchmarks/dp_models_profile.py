@@ -98,11 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {args.device}, TF32 {set_tf32_off()}, workload "
           f"{args.workload}, precision {args.precision}", flush=True)
-    cfg = configs(args.tiny)[args.workload]
-    if args.batch is not None:
-        if args.batch < 1:
-            ap.error(f"--batch: expected a positive int, got {args.batch}")
-        cfg = {**cfg, "batch": args.batch}
+    try:
+        cfg = configs(args.tiny, args.batch)[args.workload]
+    except ValueError as e:
+        ap.error(f"--batch: {e}")
     template = build_model(args.workload, cfg, untie=False, expand_positions=True)
     if args.diff and len(variants) != 2:
         ap.error(f"--diff: expected exactly two --variants, got {len(variants)}")
