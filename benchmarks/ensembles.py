@@ -124,6 +124,10 @@ class TorchfnStep:
                                         grad_norm="nonorm" not in mode,
                                         skip_nonfinite="noguard" not in mode)
         mode = mode.replace("-noguard", "")
+        # "-reuse": Inductor's buffer reuse back on (torchfn steps switch it off, see
+        # torchfn._checks.STEP_INDUCTOR_OPTIONS), to see what that costs a graphed step
+        self.reuse = "-reuse" in mode
+        mode = mode.replace("-reuse", "")
         self.plain_step = step
         self.mode = mode
         if mode == "compiled":
@@ -171,8 +175,10 @@ class TorchfnStep:
             # state donated (updated in place); construction compiles and captures
             t0 = time.perf_counter()
             # "-cdt": Inductor's coordinate-descent tuning of its kernels' launch configs
-            compile_kwargs = ({"options": {"coordinate_descent_tuning": True}}
-                              if self.mode.endswith("-cdt") else True)
+            options = {"coordinate_descent_tuning": True} if self.mode.endswith("-cdt") else {}
+            if self.reuse:
+                options["allow_buffer_reuse"] = True
+            compile_kwargs = {"options": options} if options else True
             self.step = make_graphed_step(self.plain_step, state, (x, y), compile=compile_kwargs)
             sync_device(device)
             build_s = time.perf_counter() - t0
@@ -330,7 +336,8 @@ def main() -> None:
                         help="make_graphed_step variants of the side-by-side run: graphed "
                              "(grad_norm metric), graphed-nonorm, graphed-nonorm-cdt "
                              "(coordinate-descent tuning), graphed-nonorm-inputs (the batch "
-                             "passed as the graph's own input buffers: no copy per call)")
+                             "passed as the graph's own input buffers: no copy per call); a -reuse "
+                             "suffix turns Inductor's buffer reuse back on")
     parser.add_argument("--curve", default="graphed-nonorm",
                         choices=("graphed", "graphed-nonorm", "graphed-nonorm-inputs", "compiled"),
                         help="torchfn variant of the scaling curve (one compile per N)")
