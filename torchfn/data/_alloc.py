@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from . import _ring
+
 _ALIGN = 64
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map a block's pages in one call
 _POPULATE_MIN = 1 << 16
@@ -44,6 +46,9 @@ def alloc_bytes(nbytes: int, shared: bool) -> torch.Tensor:
     """Returns an uninitialized ``(nbytes,)`` uint8 tensor, in shared memory when ``shared``."""
     if not shared:
         return torch.empty(nbytes, dtype=torch.uint8)
+    reused = _ring.take(nbytes)  # a block the worker has sent before, still mapped everywhere
+    if reused is not None:
+        return reused
     # Allocated straight in shared memory, as default_collate does, so handing the batch to the
     # main process costs no extra copy (no public API for this).
     proto = torch.empty(0, dtype=torch.uint8)
@@ -120,6 +125,8 @@ def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) 
     worker or where there is no ``memfd_create``: the caller then uses ``empty_batch``."""
     if n == 0 or get_worker_info() is None or not _memfd_ok():
         return None
+    if _ring.active(n * parts[0][0][:1].nbytes + 8 * n):
+        return None  # a reused block (mapped and populated) takes the caller's plain gather
     src0 = parts[0][0]
     row_shape, dtype = src0.shape[1:], src0.dtype
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from torchfn._checks import _check_rank
 
+from . import _ring
 from ._alloc import alloc_bytes as _alloc_bytes
 from ._alloc import reserve_tail, take_tail
 from ._plan import Policy, plan
@@ -487,6 +489,11 @@ class StreamingDataset(IterableDataset):
         # window's worth, again each half window; it bounds what it starts); what is read does
         # not change
         ahead = getattr(self.source, "prefetch", None) if self.source is not None else None
+        # in a worker, batch buffers may be blocks it reuses (``_ring``): the yielded dict
+        # then reaches the main process as block references; a batch_transform may return
+        # anything, so its batches keep fresh blocks
+        ring = (_ring.enabled() if info is not None and self.batch_transform is None
+                else contextlib.nullcontext())
         look = self.shuffle_buffer or 2 * max(max(self.shard_sizes, default=1), 1)
         told = -1
         for a, b in itertools.pairwise(edges):
@@ -499,7 +506,8 @@ class StreamingDataset(IterableDataset):
             ids, padded, pos = p.ids[a:b], p.padded[a:b], p.positions[a:b]
             batch = None
             if self.batched and self.transform is None and len(ids):
-                batch = self._read_batch(ids)
+                with ring:
+                    batch = self._read_batch(ids)
             if batch is None:
                 keep = self._good(ids)
                 if not keep.all():
@@ -513,12 +521,13 @@ class StreamingDataset(IterableDataset):
             self._progress = (self.epoch, start, end)
             if self.batched:
                 if batch is None:
-                    batch = self._batch(ids) if len(ids) else {}
+                    with ring:
+                        batch = self._batch(ids) if len(ids) else {}
                 if self.meta:
                     batch.update(self._meta(ids, padded, pos, wid))
                 if self.batch_transform is not None:
                     batch = self.batch_transform(batch)
-                yield batch
+                yield _ring.wrap(batch) if info is not None else batch
             else:
                 for j, gid in enumerate(ids.tolist()):
                     sample = self._sample(gid)
