@@ -119,26 +119,40 @@ def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) 
     """Returns the ``(n, *row_shape)`` batch whose row ``dst[j]`` is ``src[rows[j]]`` for each
     ``(src, rows, dst)`` of ``parts`` (``src``: ``(k, *row_shape)`` C-contiguous arrays of one
     dtype; the ``dst`` positions cover ``0..n-1`` once), written in a DataLoader worker (Linux)
-    straight from the sources into a fresh shared-memory file with ``pwritev`` (the kernel
-    allocates the pages as it copies: no page faults, no zero fill, no temporary); the labels'
-    reservation (``reserve_tail``) is honoured as ``empty_batch`` does. Returns None outside a
-    worker or where there is no ``memfd_create``: the caller then uses ``empty_batch``."""
+    into a reused ring block when one is free (``_ring``: mapped and populated already, a plain
+    numpy gather), else straight from the sources into a fresh shared-memory file with
+    ``pwritev`` (the kernel allocates the pages as it copies: no page faults, no zero fill, no
+    temporary); the labels' reservation (``reserve_tail``) is honoured as ``empty_batch`` does.
+    Returns None outside a worker or where there is no ``memfd_create``: the caller then uses
+    ``empty_batch``."""
     if n == 0 or get_worker_info() is None or not _memfd_ok():
         return None
-    if _ring.active(n * parts[0][0][:1].nbytes + 8 * n):
-        return None  # a reused block (mapped and populated) takes the caller's plain gather
     src0 = parts[0][0]
     row_shape, dtype = src0.shape[1:], src0.dtype
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     nbytes = n * row_bytes
-    if row_bytes == 0:
+    if row_bytes == 0 or any(src.shape[1:] != row_shape or src.dtype != dtype
+                             or not src.flags.c_contiguous for src, _, _ in parts):
         return None
+    slot = getattr(_pending, "slot", None)
+    tail = slot is not None and slot[1] is None
+    start = -(-nbytes // _ALIGN) * _ALIGN
+    total = start + slot[0] if tail else nbytes  # type: ignore[index]
+    reused = _ring.take(total)
+    if reused is not None:
+        if tail:
+            slot[1] = reused[start:]  # type: ignore[index]
+        out = reused[:nbytes].numpy().view(dtype).reshape(n, *row_shape)
+        for src, rows, dst in parts:
+            if len(parts) == 1:
+                np.take(src, rows, axis=0, out=out)
+            else:
+                out[dst] = src[rows]
+        return out
     which = np.empty(n, dtype=np.int64)  # part of each batch row
     srow = np.empty(n, dtype=np.int64)  # its row in that part
     views = []
     for k, (src, rows, dst) in enumerate(parts):
-        if src.shape[1:] != row_shape or src.dtype != dtype or not src.flags.c_contiguous:
-            return None
         views.append(memoryview(src.reshape(-1).view(np.uint8)))
         which[dst], srow[dst] = k, rows
     # runs of consecutive source rows (file order) go in one buffer
@@ -150,10 +164,6 @@ def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) 
         which[starts].tolist(), first.tolist(), (first + lens).tolist(), strict=True)]
     # bytes written by each pwritev of up to _IOV_MAX buffers
     wants = np.add.reduceat(lens, np.arange(0, len(lens), _IOV_MAX)).tolist()
-    slot = getattr(_pending, "slot", None)
-    tail = slot is not None and slot[1] is None
-    start = -(-nbytes // _ALIGN) * _ALIGN
-    total = start + slot[0] if tail else nbytes  # type: ignore[index]
     fd = os.memfd_create("torchfn-batch", getattr(os, "MFD_CLOEXEC", 0))
     try:
         os.ftruncate(fd, total)

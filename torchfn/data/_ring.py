@@ -42,8 +42,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 _MIN_BLOCK = 1 << 16
-_MAX_BLOCK = 1 << 24  # bigger batches: the per-batch hand-over is a small part of their cost
-_REGION = 1 << 26  # bytes of blocks per size class (at least _MIN_BLOCKS blocks)
+_MAX_BLOCK = 1 << 22  # bigger batches: the per-batch hand-over is a small part of their cost
+_REGION = 1 << 25  # bytes of blocks per size class (at least _MIN_BLOCKS blocks)
 _MIN_BLOCKS, _MAX_BLOCKS = 4, 16
 _KEEP_CLOSED = 8  # closed regions whose hand-overs never all arrived: kept at most
 # header words (int64): magic, closed (worker), registered (main), sent batches (worker),
@@ -91,17 +91,16 @@ class _Ring:
         self.id = uuid.uuid4().hex
         self.base = self.storage.data_ptr()
         self.alive: set[int] = set()  # blocks with a live view in this process
-        self.next = 0
         # after the DataLoader queue's feeder thread has flushed (its finalizer: priority -5)
         _mp_util.Finalize(self, _close, (self.words,), exitpriority=-10)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         with _lock:
-            for k in range(self.n):
-                b = (self.next + k) % self.n
+            # the lowest free block: a loader's few batches in flight keep reusing the same
+            # blocks, so only those are ever touched (resident in shared memory)
+            for b in range(self.n):
                 if b in self.alive or self.sent[b] != self.released[b]:
                     continue
-                self.next = b + 1
                 self.alive.add(b)
                 start = self.header + b * self.block
                 view = self.whole[start:start + self.block].view()
