@@ -161,3 +161,18 @@ def test_batches_a_worker_keeps_are_not_reused():
     out = list(DataLoader(_Hoard(ds), batch_size=None, num_workers=2))
     flags = [o["intact"] for o in out if "intact" in o]
     assert len(flags) == 2 and all(bool(f) for f in flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pin_memory needs a CUDA device")
+def test_pinned_batches_rebuilt_in_the_pin_thread(arrays, shard_dir):
+    ref = [_copy(b) for b in _dataset("shards", arrays, shard_dir)]
+    loader = DataLoader(_dataset("shards", arrays, shard_dir), batch_size=None, num_workers=2,
+                        pin_memory=True)
+    got = []
+    for batch in loader:
+        assert batch["x"].is_pinned()
+        got.append(_copy(batch))
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref, strict=True):
+        _equal(a, b)
