@@ -123,3 +123,20 @@ def test_profile_kernel_family_diff_groups_triton_indices_and_orders_by_differen
     assert lines[3].split()[0] == "+0.000" and lines[3].endswith("gemm")
     # host time where no device was profiled
     assert mod.kernel_families([OpTime("aten::mul_1", 2, 0.3, None)]) == {"aten::mul": (0.3, 2)}
+
+
+def test_noise_update_script_runs_and_restores_the_library(capsys):
+    """benchmarks/dp_noise_update.py: every variant builds and runs on the tiny CPU model, and
+    the internals it patches are the library's own again afterwards."""
+    import torchfn.persample._dp_random as R
+    import torchfn.persample._dpsgd as DPS
+
+    before = (R._pairs, DPS.DPTrainStep._noisy)
+    mod = _load("dp_noise_update")
+    assert mod.main(["--tiny", "--rounds", "1", "--inner", "1"]) == 0
+    out = capsys.readouterr().out
+    for v in mod.VARIANTS:
+        assert f"  {v}: built" in out and "median" in out
+    assert (R._pairs, DPS.DPTrainStep._noisy) == before
+    with pytest.raises(ValueError, match=r"--variants: unknown 'bogus'"):
+        mod.main(["--tiny", "--variants", "current,bogus"])

@@ -1,0 +1,161 @@
+"""The DP step's noise + update part alone, on a ``dp_models.py`` workload: variants side by side.
+
+Times ``DPTrainStep``'s apply part (noise added to a fixed clipped sum, divided, the optimizer
+update through the step core, the metrics) with no model in the step: the graph compiles in
+about a minute per variant on an H100 where the whole GPT-2 DP step takes several. CUDA: each
+variant through ``make_graphed_step`` (the clipped sum is a graph input: one copy of it per call
+in every variant), timed with CUDA events over ``--inner`` calls, median of ``--rounds``
+interleaved rounds. CPU (``--tiny``): ``torch.compile`` and wall time, a smoke test.
+
+Variants (``--variants``, comma-separated; all but ``current`` replace library internals for
+the run only, to see what a change would buy before making it):
+
+- ``current``: the library's seeded noise (Box-Muller in float64, rounded to the params' dtype);
+- ``f32-angle``: the radius still from a 53-bit uniform in float64, the angle from 24 bits and
+  its cosine/sine in float32 (what a float32-output fast path could be);
+- ``no-noise``: the clipped sum divided and applied, no noise (the floor of this part).
+
+Measured: ``results/dp-noise-update-h100.md``.
+
+    python benchmarks/dp_noise_update.py --workload gpt2
+    python benchmarks/dp_noise_update.py --tiny --variants current,no-noise   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torchopt
+from _bench import set_tf32_off
+from dp_models import build_model, configs, loss_kind, per_sample_loss
+
+import torchfn.persample._dp_random as R
+import torchfn.persample._dpsgd as DPS
+from torchfn._checks import STEP_INDUCTOR_OPTIONS
+from torchfn.compile import make_graphed_step
+from torchfn.persample import init_dp_state, make_dp_train_step, make_ghost_model
+
+VARIANTS = ("current", "f32-angle", "no-noise")
+
+
+def _pairs_f32_angle(key: torch.Tensor, p: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_dp_random._pairs`` with the angle's cosine and sine in float32 (24-bit angle)."""
+    k0, k1 = R._word32(key[0]), R._word32(key[1])
+    c = p * 3
+    hi = (R._hash32(k0, k1, c) >> 5) & 0x7FFFFFF
+    lo = (R._hash32(k0, k1, c + 1) >> 6) & 0x3FFFFFF
+    w = R._hash32(k0, k1, c + 2)
+    u1 = 1.0 - (hi.to(torch.float64) * 67108864.0 + lo.to(torch.float64)) * (
+        1.0 / 9007199254740992.0)
+    theta = ((w >> 8) & 0xFFFFFF).to(torch.float32) * (R._TWO_PI / 16777216.0)
+    r = torch.sqrt(-2.0 * torch.log(u1)).to(torch.float32)
+    return (r * torch.cos(theta)).to(dtype), (r * torch.sin(theta)).to(dtype)
+
+
+def _noisy_none(self: Any, state: Any, sums: Any, noise_slices: Any = None
+                ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    names = self._options.trainable_names(state.params, set(self._ghost.frozen))
+    noised = [k for k in sums if k in names]
+    return {k: sums[k] / self.expected_batch_size for k in noised}, noised
+
+
+def _patches(variant: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    pairs, noisy = R._pairs, DPS.DPTrainStep._noisy
+    if variant == "f32-angle":
+        pairs = _pairs_f32_angle
+    elif variant == "no-noise":
+        noisy = _noisy_none
+    elif variant != "current":
+        raise ValueError(f"--variants: unknown {variant!r}; expected some of {VARIANTS}")
+    return pairs, noisy
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="gpt2", choices=("gpt2", "gpt2-lora", "vit"))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16"),
+                    help="the DP step's amp setting (bf16: autocast, as dp_models.py's bf16 rows)")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=20)
+    a = ap.parse_args(argv)
+    names = [v for v in a.variants.split(",") if v]
+    for v in names:
+        _patches(v)  # unknown names fail before any work
+    device = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
+    set_tf32_off()
+    cfg = configs(a.tiny)[a.workload]
+    model = build_model(a.workload, cfg, untie=False, expand_positions=True).to(device)
+    ghost, params, buffers = make_ghost_model(model)
+    opt = torchopt.sgd(1e-3)
+    dp = make_dp_train_step(ghost, per_sample_loss(loss_kind(a.workload)), opt,
+                            noise_multiplier=1.0, max_grad_norm=1.0,
+                            sample_rate=cfg["batch"] / 50000, dataset_size=50000,
+                            amp="bf16" if a.precision == "bf16" else None)
+    gen = torch.Generator(device=device).manual_seed(0)
+    sums = {k: torch.randn(v.shape, device=device, generator=gen) for k, v in params.items()}
+    one = torch.tensor(1.0, device=device)
+    total = DPS.ClippedSum(grads=sums, count=cfg["batch"] * one, loss_sum=3 * one,
+                           clipped=one, norm_sum=2 * one)
+    print(f"{a.workload}: {sum(v.numel() for v in params.values())} params in {len(params)} "
+          f"leaves, {device}, {a.precision}", flush=True)
+    original = (R._pairs, DPS.DPTrainStep._noisy)
+    steps: dict[str, tuple[Callable[..., Any], list[Any]]] = {}
+    try:
+        for v in names:
+            R._pairs, DPS.DPTrainStep._noisy = _patches(v)
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            state = init_dp_state(params, buffers, opt, seed=0, trainable=ghost.trainable)
+
+            def apply(s: Any, t: Any) -> Any:
+                return dp._apply(s, t)
+
+            if device.type == "cuda":
+                fn: Callable[..., Any] = make_graphed_step(
+                    apply, state, total, compile={"options": dict(STEP_INDUCTOR_OPTIONS)})
+            else:
+                fn = torch.compile(apply, fullgraph=True, options=dict(STEP_INDUCTOR_OPTIONS))
+                state, _ = fn(state, total)
+            steps[v] = (fn, [state])
+            print(f"  {v}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+    finally:
+        R._pairs, DPS.DPTrainStep._noisy = original
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    for _ in range(a.rounds):
+        for v, (fn, box) in steps.items():
+            if device.type == "cuda":
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(a.inner):
+                    box[0], _m = fn(box[0], total)
+                e1.record()
+                torch.cuda.synchronize()
+                times[v].append(e0.elapsed_time(e1) / a.inner)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(a.inner):
+                    box[0], _m = fn(box[0], total)
+                times[v].append(1e3 * (time.perf_counter() - t0) / a.inner)
+    for v, ts in times.items():
+        if not all(torch.isfinite(p).all() for p in steps[v][1][0].params.values()):
+            raise RuntimeError(f"{v}: non-finite params after the timed calls")
+        print(f"  {v:10s} median {statistics.median(ts):.3f} ms  min {min(ts):.3f} ms per call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
