@@ -176,3 +176,17 @@ def test_pinned_batches_rebuilt_in_the_pin_thread(arrays, shard_dir):
     assert len(got) == len(ref)
     for a, b in zip(got, ref, strict=True):
         _equal(a, b)
+
+
+def test_meta_fields_come_through_the_ring(arrays, shard_dir):
+    ref = [_copy(b) for b in _dataset("shards", arrays, shard_dir, meta=True)]
+    got = [_copy(b) for b in DataLoader(_dataset("shards", arrays, shard_dir, meta=True),
+                                        batch_size=None, num_workers=2)]
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert a.keys() == b.keys() == {"x", "label", "id", "padded", "rank", "worker",
+                                         "position"}
+        assert a["id"].dtype == torch.int64 and a["padded"].dtype == torch.bool
+        for k in a.keys() - {"worker"}:  # in-process every batch is worker 0's
+            assert torch.equal(a[k], b[k]), k
+        assert (a["worker"] == i % 2).all()  # the DataLoader takes workers round-robin

@@ -524,7 +524,8 @@ class StreamingDataset(IterableDataset):
                     with ring:
                         batch = self._batch(ids) if len(ids) else {}
                 if self.meta:
-                    batch.update(self._meta(ids, padded, pos, wid))
+                    with ring:
+                        batch.update(self._meta(ids, padded, pos, wid, info is not None))
                 if self.batch_transform is not None:
                     batch = self.batch_transform(batch)
                 yield _ring.wrap(batch) if info is not None else batch
@@ -538,14 +539,22 @@ class StreamingDataset(IterableDataset):
                         })
                     yield sample
 
-    def _meta(self, ids: np.ndarray, padded: np.ndarray, pos: np.ndarray, wid: int) -> dict:
+    def _meta(self, ids: np.ndarray, padded: np.ndarray, pos: np.ndarray, wid: int,
+              shared: bool = False) -> dict:
+        """The ``meta`` fields of a batch: ``(b,)`` int64 ``id``, ``rank``, ``worker``,
+        ``position`` and bool ``padded``, in one block (one shared-memory block in a worker,
+        sent as one)."""
         n = len(ids)
-        return {
-            "id": torch.from_numpy(ids.copy()), "padded": torch.from_numpy(padded.copy()),
-            "rank": torch.full((n,), self.rank, dtype=torch.int64),
-            "worker": torch.full((n,), wid, dtype=torch.int64),
-            "position": torch.from_numpy(pos.copy()),
-        }
+        block = _alloc_bytes(33 * n, shared)
+        ints = block[:32 * n].view(torch.int64).view(4, n)
+        ints[0].copy_(torch.from_numpy(np.asarray(ids, dtype=np.int64)))
+        ints[1].fill_(self.rank)
+        ints[2].fill_(wid)
+        ints[3].copy_(torch.from_numpy(np.asarray(pos, dtype=np.int64)))
+        flags = block[32 * n:].view(torch.bool)
+        flags.copy_(torch.from_numpy(np.asarray(padded, dtype=np.bool_)))
+        return {"id": ints[0], "padded": flags, "rank": ints[1], "worker": ints[2],
+                "position": ints[3]}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
