@@ -15,6 +15,12 @@ the run only, to see what a change would buy before making it):
   its cosine/sine in float32 (what a float32-output fast path could be);
 - ``no-noise``: the clipped sum divided and applied, no noise (the floor of this part).
 
+A ``+combo`` suffix on a variant (``current+combo``) compiles it with Inductor's
+``combo_kernels=True`` (horizontal fusion of independent kernels, e.g. the per-leaf updates,
+which the non-private step's compiled update gets grouped by leaf size and the DP step does
+not). ``--kernels`` profiles a few calls of each variant and prints its kernel launches and
+summed kernel time per call.
+
 Measured: ``results/dp-noise-update-h100.md``.
 
     python benchmarks/dp_noise_update.py --workload gpt2
@@ -28,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +79,7 @@ def _noisy_none(self: Any, state: Any, sums: Any, noise_slices: Any = None
 
 
 def _patches(variant: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    variant = variant.removesuffix("+combo")
     pairs, noisy = R._pairs, DPS.DPTrainStep._noisy
     if variant == "f32-angle":
         pairs = _pairs_f32_angle
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--inner", type=int, default=20)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile each variant: kernel launches and kernel ms per call")
     a = ap.parse_args(argv)
     names = [v for v in a.variants.split(",") if v]
     for v in names:
@@ -117,44 +127,78 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for v in names:
             R._pairs, DPS.DPTrainStep._noisy = _patches(v)
-            torch._dynamo.reset()
+            if device.type == "cuda":  # (captured graphs; on the CPU guards pick the variant)
+                torch._dynamo.reset()
             t0 = time.perf_counter()
             state = init_dp_state(params, buffers, opt, seed=0, trainable=ghost.trainable)
 
             def apply(s: Any, t: Any) -> Any:
                 return dp._apply(s, t)
 
+            # a code object of its own per variant: Dynamo caches compiled graphs per code
+            # object, and compile options are not among its guards
+            apply = types.FunctionType(apply.__code__.replace(co_name=f"apply_{len(steps)}"),
+                                       apply.__globals__, closure=apply.__closure__)
+
+            options = dict(STEP_INDUCTOR_OPTIONS)
+            if v.endswith("+combo"):
+                options["combo_kernels"] = True
             if device.type == "cuda":
-                fn: Callable[..., Any] = make_graphed_step(
-                    apply, state, total, compile={"options": dict(STEP_INDUCTOR_OPTIONS)})
+                fn: Callable[..., Any] = make_graphed_step(apply, state, total,
+                                                           compile={"options": options})
             else:
-                fn = torch.compile(apply, fullgraph=True, options=dict(STEP_INDUCTOR_OPTIONS))
+                fn = torch.compile(apply, fullgraph=True, options=options)
                 state, _ = fn(state, total)
             steps[v] = (fn, [state])
             print(f"  {v}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+        times: dict[str, list[float]] = {v: [] for v in steps}
+        for _ in range(a.rounds):
+            for v, (fn, box) in steps.items():
+                # each variant runs with its own patches (a CPU step may recompile on a call)
+                R._pairs, DPS.DPTrainStep._noisy = _patches(v)
+                if device.type == "cuda":
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for _ in range(a.inner):
+                        box[0], _m = fn(box[0], total)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times[v].append(e0.elapsed_time(e1) / a.inner)
+                else:
+                    t0 = time.perf_counter()
+                    for _ in range(a.inner):
+                        box[0], _m = fn(box[0], total)
+                    times[v].append(1e3 * (time.perf_counter() - t0) / a.inner)
     finally:
         R._pairs, DPS.DPTrainStep._noisy = original
-    times: dict[str, list[float]] = {v: [] for v in steps}
-    for _ in range(a.rounds):
-        for v, (fn, box) in steps.items():
-            if device.type == "cuda":
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(a.inner):
-                    box[0], _m = fn(box[0], total)
-                e1.record()
-                torch.cuda.synchronize()
-                times[v].append(e0.elapsed_time(e1) / a.inner)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(a.inner):
-                    box[0], _m = fn(box[0], total)
-                times[v].append(1e3 * (time.perf_counter() - t0) / a.inner)
     for v, ts in times.items():
         if not all(torch.isfinite(p).all() for p in steps[v][1][0].params.values()):
             raise RuntimeError(f"{v}: non-finite params after the timed calls")
-        print(f"  {v:10s} median {statistics.median(ts):.3f} ms  min {min(ts):.3f} ms per call")
+        print(f"  {v:16s} median {statistics.median(ts):.3f} ms  min {min(ts):.3f} ms per call")
+    if a.kernels and device.type != "cuda":
+        print("  --kernels: kernel launches are profiled on CUDA only (CPU Inductor kernels are "
+              "not profiler events)")
+    elif a.kernels:
+        for v, (fn, box) in steps.items():
+            launches, ms = _kernels(fn, box, total)
+            print(f"  {v:16s} {launches:.0f} kernel launches, {ms:.3f} kernel ms per call")
     return 0
+
+
+def _kernels(fn: Callable[..., Any], box: list[Any], total: Any, calls: int = 3
+             ) -> tuple[float, float]:
+    """``(kernel launches, summed kernel ms)`` per call of ``fn`` under the PyTorch profiler
+    (CUDA kernels; copies excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            box[0], _m = fn(box[0], total)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"
+              and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    return len(events) / calls, sum(e.device_time for e in events) / 1e3 / calls
 
 
 if __name__ == "__main__":
