@@ -15,11 +15,13 @@ the run only, to see what a change would buy before making it):
   its cosine/sine in float32 (what a float32-output fast path could be);
 - ``no-noise``: the clipped sum divided and applied, no noise (the floor of this part).
 
-A ``+combo`` suffix on a variant (``current+combo``) compiles it with Inductor's
-``combo_kernels=True`` (horizontal fusion of independent kernels, e.g. the per-leaf updates,
-which the non-private step's compiled update gets grouped by leaf size and the DP step does
-not). ``--kernels`` profiles a few calls of each variant and prints its kernel launches and
-summed kernel time per call.
+``+KEY=VALUE`` suffixes on a variant set Inductor options for it (``+combo`` is short for
+``+combo_kernels=True``): e.g. ``current+combo`` or ``current+score_fusion_memory_threshold=1``.
+Why: the non-private step's compiled update is grouped into ~13 kernels (same-size leaves fused
+horizontally: they share a read of the stacked per-leaf norms), the DP step's is 148 (its
+leaves share only 0-d reads, below Inductor's ``score_fusion_memory_threshold`` of 10 bytes).
+``--kernels`` profiles a few calls of each variant and prints its kernel launches and summed
+kernel time per call.
 
 Measured: ``results/dp-noise-update-h100.md``.
 
@@ -78,8 +80,24 @@ def _noisy_none(self: Any, state: Any, sums: Any, noise_slices: Any = None
     return {k: sums[k] / self.expected_batch_size for k in noised}, noised
 
 
+def _options(variant: str) -> dict[str, Any]:
+    """The Inductor options of ``variant``: the step's own plus its ``+KEY=VALUE`` suffixes."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    out = dict(STEP_INDUCTOR_OPTIONS)
+    for item in variant.split("+")[1:]:
+        key, sep, value = ("combo_kernels", "=", "True") if item == "combo" else item.partition("=")
+        if not sep or not hasattr(inductor_config, key):
+            raise ValueError(f"--variants: {item!r} in {variant!r} is not KEY=VALUE with KEY a "
+                             f"torch._inductor.config entry")
+        out[key] = ast.literal_eval(value)
+    return out
+
+
 def _patches(variant: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    variant = variant.removesuffix("+combo")
+    variant = variant.split("+")[0]
     pairs, noisy = R._pairs, DPS.DPTrainStep._noisy
     if variant == "f32-angle":
         pairs = _pairs_f32_angle
@@ -104,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     names = [v for v in a.variants.split(",") if v]
     for v in names:
-        _patches(v)  # unknown names fail before any work
+        _patches(v)  # unknown names and options fail before any work
+        _options(v)
     device = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     set_tf32_off()
     cfg = configs(a.tiny)[a.workload]
@@ -140,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             apply = types.FunctionType(apply.__code__.replace(co_name=f"apply_{len(steps)}"),
                                        apply.__globals__, closure=apply.__closure__)
 
-            options = dict(STEP_INDUCTOR_OPTIONS)
-            if v.endswith("+combo"):
-                options["combo_kernels"] = True
+            options = _options(v)
             if device.type == "cuda":
                 fn: Callable[..., Any] = make_graphed_step(apply, state, total,
                                                            compile={"options": options})
