@@ -54,14 +54,14 @@ def test_worker_batches_equal_in_process_and_kept_ones_are_not_overwritten(
         kind, arrays, shard_dir):
     ref = [_copy(b) for b in _dataset(kind, arrays, shard_dir)]
     loader = DataLoader(_dataset(kind, arrays, shard_dir), batch_size=None, num_workers=2)
-    got, held, regions = [], {}, 0
+    got, held, before, regions = [], {}, set(_ring._regions), set()
     for i, batch in enumerate(loader):
         assert type(batch) is dict  # what a user gets: a plain dict of tensors
-        regions = max(regions, len(_ring._regions))
+        regions |= set(_ring._regions) - before
         got.append(_copy(batch))
         if i % 3 == 0:
             held[i] = batch  # alive while the workers go on reusing blocks
-    assert regions >= 1  # the batches came through ring blocks
+    assert regions  # the batches came through ring blocks of this loader's workers
     assert len(got) == len(ref)
     for a, b in zip(got, ref, strict=True):
         _equal(a, b)
@@ -190,3 +190,25 @@ def test_meta_fields_come_through_the_ring(arrays, shard_dir):
         for k in a.keys() - {"worker"}:  # in-process every batch is worker 0's
             assert torch.equal(a[k], b[k]), k
         assert (a["worker"] == i % 2).all()  # the DataLoader takes workers round-robin
+
+
+def _augment(sample):
+    """A per-sample transform: new tensors, an int and a string field."""
+    return {"x": sample["x"] * 2 + 1, "label": sample["label"], "n": int(sample["label"]) + 7,
+            "tag": f"s{int(sample['label'])}"}
+
+
+def test_per_sample_transform_batches_collated_into_ring_blocks(arrays, shard_dir):
+    ref = list(_dataset("shards", arrays, shard_dir, transform=_augment))
+    before, new = set(_ring._regions), set()
+    got = []
+    for batch in DataLoader(_dataset("shards", arrays, shard_dir, transform=_augment),
+                            batch_size=None, num_workers=2):
+        new |= set(_ring._regions) - before  # this loader's workers registered regions
+        got.append(batch)
+    assert new and len(got) == len(ref)
+    for a, b in zip(got, ref, strict=True):  # what default_collate gives in the main process
+        assert a.keys() == b.keys()
+        for k in ("x", "label", "n"):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        assert a["tag"] == b["tag"]

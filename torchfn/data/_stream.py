@@ -457,7 +457,30 @@ class StreamingDataset(IterableDataset):
         return out
 
     def _collate_samples(self, ids: np.ndarray) -> dict[str, Any]:
-        return default_collate([self._sample(int(i)) for i in ids])
+        """``default_collate`` of the transformed samples; in a worker, a field whose values are
+        all tensors of one shape and dtype (or all Python ints) is stacked into a shared block
+        of its own (a ring block when one is free: sent as a reference, not a descriptor)."""
+        samples = [self._sample(int(i)) for i in ids]
+        if get_worker_info() is None or not samples or not all(
+                type(smp) is dict and smp.keys() == samples[0].keys() for smp in samples):
+            return default_collate(samples)
+        out: dict[str, Any] = {}
+        for key in samples[0]:
+            vals = [smp[key] for smp in samples]
+            v0 = vals[0]
+            if all(type(v) is int for v in vals):  # default_collate: an int64 tensor
+                dst = _alloc_bytes(8 * len(vals), True).view(torch.int64)
+                dst.copy_(torch.tensor(vals, dtype=torch.int64))
+            elif type(v0) is torch.Tensor and v0.device.type == "cpu" and all(
+                    type(v) is torch.Tensor and v.shape == v0.shape and v.dtype == v0.dtype
+                    and v.device == v0.device and not v.requires_grad for v in vals):
+                nbytes = len(vals) * v0.numel() * v0.element_size()
+                dst = _alloc_bytes(nbytes, True).view(v0.dtype).view(len(vals), *v0.shape)
+                torch.stack(vals, out=dst)
+            else:
+                dst = default_collate(vals)
+            out[key] = dst
+        return out
 
     def _sample(self, gid: int) -> dict[str, Any]:
         if self.source is not None:
