@@ -119,12 +119,12 @@ def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) 
     """Returns the ``(n, *row_shape)`` batch whose row ``dst[j]`` is ``src[rows[j]]`` for each
     ``(src, rows, dst)`` of ``parts`` (``src``: ``(k, *row_shape)`` C-contiguous arrays of one
     dtype; the ``dst`` positions cover ``0..n-1`` once), written in a DataLoader worker (Linux)
-    into a reused ring block when one is free (``_ring``: mapped and populated already, a plain
-    numpy gather), else straight from the sources into a fresh shared-memory file with
-    ``pwritev`` (the kernel allocates the pages as it copies: no page faults, no zero fill, no
-    temporary); the labels' reservation (``reserve_tail``) is honoured as ``empty_batch`` does.
-    Returns None outside a worker or where there is no ``memfd_create``: the caller then uses
-    ``empty_batch``."""
+    straight from the sources into a fresh shared-memory file with ``pwritev`` (the kernel
+    allocates the pages as it copies: no page faults, no zero fill, no temporary); the labels'
+    reservation (``reserve_tail``) is honoured as ``empty_batch`` does. Returns None outside a
+    worker, where there is no ``memfd_create``, or where a reused ring block is free
+    (``_ring``: mapped and populated already, so a plain gather into it is cheaper): the caller
+    then gathers into ``empty_batch``."""
     if n == 0 or get_worker_info() is None or not _memfd_ok():
         return None
     src0 = parts[0][0]
@@ -138,17 +138,8 @@ def gather_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) 
     tail = slot is not None and slot[1] is None
     start = -(-nbytes // _ALIGN) * _ALIGN
     total = start + slot[0] if tail else nbytes  # type: ignore[index]
-    reused = _ring.take(total)
-    if reused is not None:
-        if tail:
-            slot[1] = reused[start:]  # type: ignore[index]
-        out = reused[:nbytes].numpy().view(dtype).reshape(n, *row_shape)
-        for src, rows, dst in parts:
-            if len(parts) == 1:
-                np.take(src, rows, axis=0, out=out)
-            else:
-                out[dst] = src[rows]
-        return out
+    if _ring.has_free(total):
+        return None  # the caller's gather into ``empty_batch``, which takes that block
     which = np.empty(n, dtype=np.int64)  # part of each batch row
     srow = np.empty(n, dtype=np.int64)  # its row in that part
     views = []

@@ -94,19 +94,25 @@ class _Ring:
         # after the DataLoader queue's feeder thread has flushed (its finalizer: priority -5)
         _mp_util.Finalize(self, _close, (self.words,), exitpriority=-10)
 
+    def free(self) -> int | None:
+        """The lowest free block: a loader's few batches in flight keep reusing the same
+        blocks, so only those are ever touched (resident in shared memory)."""
+        with _lock:
+            for b in range(self.n):
+                if b not in self.alive and self.sent[b] == self.released[b]:
+                    return b
+        return None
+
     def take(self, nbytes: int) -> torch.Tensor | None:
         with _lock:
-            # the lowest free block: a loader's few batches in flight keep reusing the same
-            # blocks, so only those are ever touched (resident in shared memory)
-            for b in range(self.n):
-                if b in self.alive or self.sent[b] != self.released[b]:
-                    continue
-                self.alive.add(b)
-                start = self.header + b * self.block
-                view = self.whole[start:start + self.block].view()
-                weakref.finalize(view, self._dead, b)
-                return torch.from_numpy(view)[:nbytes]
-        return None
+            b = self.free()
+            if b is None:
+                return None
+            self.alive.add(b)
+        start = self.header + b * self.block
+        view = self.whole[start:start + self.block].view()
+        weakref.finalize(view, self._dead, b)
+        return torch.from_numpy(view)[:nbytes]
 
     def _dead(self, b: int) -> None:
         with _lock:
@@ -143,9 +149,8 @@ def active(nbytes: int) -> bool:
             and get_worker_info() is not None)
 
 
-def take(nbytes: int) -> torch.Tensor | None:
-    """A ``(nbytes,)`` uint8 tensor in a reusable shared block, inside a DataLoader worker
-    whose current allocation allows it (``enabled``); None otherwise (allocate as before)."""
+def _ring_for(nbytes: int) -> _Ring | None:
+    """This worker's ring for ``nbytes`` (made on first use), or None where none may serve."""
     if not active(nbytes):
         return None
     size = _size_class(nbytes)
@@ -157,7 +162,21 @@ def take(nbytes: int) -> torch.Tensor | None:
         ring = _rings.get(size)
         if ring is None:
             ring = _rings[size] = _Ring(size, max(_MIN_BLOCKS, min(_MAX_BLOCKS, _REGION // size)))
-    return ring.take(nbytes)
+    return ring
+
+
+def has_free(nbytes: int) -> bool:
+    """Whether ``take(nbytes)`` would return a block now (only this worker's own thread takes
+    blocks, so a free block stays free until it does)."""
+    ring = _ring_for(nbytes)
+    return ring is not None and ring.free() is not None
+
+
+def take(nbytes: int) -> torch.Tensor | None:
+    """A ``(nbytes,)`` uint8 tensor in a reusable shared block, inside a DataLoader worker
+    whose current allocation allows it (``enabled``); None otherwise (allocate as before)."""
+    ring = _ring_for(nbytes)
+    return None if ring is None else ring.take(nbytes)
 
 
 class enabled:
@@ -188,27 +207,20 @@ def _reduce(batch: RingBatch) -> tuple[Any, tuple[Any, ...]]:
     if _pid[0] != os.getpid():
         return plain
     rings = list(_rings.values())
-    blocks: dict[int, set[int]] = {}
-    found = False
+    blocks: dict[int, set[int]] = {}  # ring index -> blocks this batch refers to
     items = []
     for key, value in batch.items():
-        loc = None
-        if isinstance(value, torch.Tensor) and type(value) is torch.Tensor \
-                and not value.requires_grad:
+        ref = None
+        if type(value) is torch.Tensor and not value.requires_grad:
             for r_i, ring in enumerate(rings):
                 loc = ring.locate(value)
                 if loc is not None:
-                    loc = (r_i, *loc)
+                    b, within = loc
+                    blocks.setdefault(r_i, set()).add(b)
+                    ref = (r_i, b, within, value.dtype, tuple(value.shape), value.stride())
                     break
-        if loc is None:
-            items.append((key, None, value))
-            continue
-        r_i, b, within = loc
-        found = True
-        blocks.setdefault(r_i, set()).add(b)
-        items.append((key, (r_i, b, within, value.dtype, tuple(value.shape), value.stride()),
-                      None))
-    if not found:
+        items.append((key, ref, None if ref else value))
+    if not blocks:
         return plain
     refs = []
     for r_i, bs in blocks.items():

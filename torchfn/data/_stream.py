@@ -551,7 +551,7 @@ class StreamingDataset(IterableDataset):
                         batch.update(self._meta(ids, padded, pos, wid, info is not None))
                 if self.batch_transform is not None:
                     batch = self.batch_transform(batch)
-                yield _ring.wrap(batch) if info is not None else batch
+                yield _ring.wrap(batch)  # (unchanged outside a worker: no rings there)
             else:
                 for j, gid in enumerate(ids.tolist()):
                     sample = self._sample(gid)
