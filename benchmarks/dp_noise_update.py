@@ -13,7 +13,9 @@ the run only, to see what a change would buy before making it):
 - ``current``: the library's seeded noise (Box-Muller in float64, rounded to the params' dtype);
 - ``f32-angle``: the radius still from a 53-bit uniform in float64, the angle from 24 bits and
   its cosine/sine in float32 (what a float32-output fast path could be);
-- ``no-noise``: the clipped sum divided and applied, no noise (the floor of this part).
+- ``no-noise``: the clipped sum divided and applied, no noise (the floor of this part);
+- ``foreach``: the library's noise, added and divided by multi-tensor ops (``torch._foreach_*``
+  over all leaves, which Inductor lowers to grouped kernels) instead of a per-leaf loop.
 
 ``+KEY=VALUE`` suffixes on a variant set Inductor options for it (``+combo`` is short for
 ``+combo_kernels=True``): e.g. ``current+combo`` or ``current+score_fusion_memory_threshold=1``.
@@ -55,7 +57,7 @@ from torchfn._checks import STEP_INDUCTOR_OPTIONS
 from torchfn.compile import make_graphed_step
 from torchfn.persample import init_dp_state, make_dp_train_step, make_ghost_model
 
-VARIANTS = ("current", "f32-angle", "no-noise")
+VARIANTS = ("current", "f32-angle", "no-noise", "foreach")
 
 
 def _pairs_f32_angle(key: torch.Tensor, p: torch.Tensor, dtype: torch.dtype
@@ -78,6 +80,19 @@ def _noisy_none(self: Any, state: Any, sums: Any, noise_slices: Any = None
     names = self._options.trainable_names(state.params, set(self._ghost.frozen))
     noised = [k for k in sums if k in names]
     return {k: sums[k] / self.expected_batch_size for k in noised}, noised
+
+
+def _noisy_foreach(self: Any, state: Any, sums: Any, noise_slices: Any = None
+                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    names = self._options.trainable_names(state.params, set(self._ghost.frozen))
+    noised = [k for k in sums if k in names]
+    sizes = [sums[k].numel() for k in noised]
+    flat = R.normal(state.key, (sum(sizes),), DPS._noise_dtype(state, noised)).split(sizes)
+    gs = [sums[k].to(state.params[k].dtype) for k in noised]
+    zs = [z.view(g.shape).to(g.dtype) for z, g in zip(flat, gs)]
+    out = torch._foreach_add(gs, zs, alpha=float(self.noise_std))
+    out = torch._foreach_div(out, float(self.expected_batch_size))
+    return dict(zip(noised, out)), noised
 
 
 def _options(variant: str) -> dict[str, Any]:
@@ -103,6 +118,8 @@ def _patches(variant: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
         pairs = _pairs_f32_angle
     elif variant == "no-noise":
         noisy = _noisy_none
+    elif variant == "foreach":
+        noisy = _noisy_foreach
     elif variant != "current":
         raise ValueError(f"--variants: unknown {variant!r}; expected some of {VARIANTS}")
     return pairs, noisy
