@@ -14,8 +14,8 @@ the run only, to see what a change would buy before making it):
 - ``f32-angle``: the radius still from a 53-bit uniform in float64, the angle from 24 bits and
   its cosine/sine in float32 (what a float32-output fast path could be);
 - ``no-noise``: the clipped sum divided and applied, no noise (the floor of this part);
-- ``foreach``: the library's noise, added and divided by multi-tensor ops (``torch._foreach_*``
-  over all leaves, which Inductor lowers to grouped kernels) instead of a per-leaf loop.
+- ``per-leaf``: the noise added and divided by a per-leaf loop (Inductor: one update kernel per
+  leaf) instead of the library's multi-tensor ops (grouped kernels).
 
 ``+KEY=VALUE`` suffixes on a variant set Inductor options for it (``+combo`` is short for
 ``+combo_kernels=True``): e.g. ``current+combo`` or ``current+score_fusion_memory_threshold=1``.
@@ -57,7 +57,7 @@ from torchfn._checks import STEP_INDUCTOR_OPTIONS
 from torchfn.compile import make_graphed_step
 from torchfn.persample import init_dp_state, make_dp_train_step, make_ghost_model
 
-VARIANTS = ("current", "f32-angle", "no-noise", "foreach")
+VARIANTS = ("current", "f32-angle", "no-noise", "per-leaf")
 
 
 def _pairs_f32_angle(key: torch.Tensor, p: torch.Tensor, dtype: torch.dtype
@@ -82,17 +82,9 @@ def _noisy_none(self: Any, state: Any, sums: Any, noise_slices: Any = None
     return {k: sums[k] / self.expected_batch_size for k in noised}, noised
 
 
-def _noisy_foreach(self: Any, state: Any, sums: Any, noise_slices: Any = None
-                   ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    names = self._options.trainable_names(state.params, set(self._ghost.frozen))
-    noised = [k for k in sums if k in names]
-    sizes = [sums[k].numel() for k in noised]
-    flat = R.normal(state.key, (sum(sizes),), DPS._noise_dtype(state, noised)).split(sizes)
-    gs = [sums[k].to(state.params[k].dtype) for k in noised]
-    zs = [z.view(g.shape).to(g.dtype) for z, g in zip(flat, gs)]
-    out = torch._foreach_add(gs, zs, alpha=float(self.noise_std))
-    out = torch._foreach_div(out, float(self.expected_batch_size))
-    return dict(zip(noised, out)), noised
+def _sums_per_leaf(gs: list[torch.Tensor], zs: list[torch.Tensor], std: Any, denom: Any
+                   ) -> list[torch.Tensor]:
+    return [(g + std * z) / denom for g, z in zip(gs, zs, strict=True)]
 
 
 def _options(variant: str) -> dict[str, Any]:
@@ -111,18 +103,22 @@ def _options(variant: str) -> dict[str, Any]:
     return out
 
 
-def _patches(variant: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+_ORIGINAL = (R._pairs, DPS.DPTrainStep._noisy, DPS._noisy_sums)
+
+
+def _patch(variant: str) -> None:
+    """Set the library internals ``variant`` replaces (the originals for the rest)."""
     variant = variant.split("+")[0]
-    pairs, noisy = R._pairs, DPS.DPTrainStep._noisy
+    pairs, noisy, sums = _ORIGINAL
     if variant == "f32-angle":
         pairs = _pairs_f32_angle
     elif variant == "no-noise":
         noisy = _noisy_none
-    elif variant == "foreach":
-        noisy = _noisy_foreach
+    elif variant == "per-leaf":
+        sums = _sums_per_leaf
     elif variant != "current":
         raise ValueError(f"--variants: unknown {variant!r}; expected some of {VARIANTS}")
-    return pairs, noisy
+    R._pairs, DPS.DPTrainStep._noisy, DPS._noisy_sums = pairs, noisy, sums
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     names = [v for v in a.variants.split(",") if v]
     for v in names:
-        _patches(v)  # unknown names and options fail before any work
+        _patch(v)  # unknown names and options fail before any work
         _options(v)
+    _patch("current")
     device = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     set_tf32_off()
     cfg = configs(a.tiny)[a.workload]
@@ -158,11 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                            clipped=one, norm_sum=2 * one)
     print(f"{a.workload}: {sum(v.numel() for v in params.values())} params in {len(params)} "
           f"leaves, {device}, {a.precision}", flush=True)
-    original = (R._pairs, DPS.DPTrainStep._noisy)
     steps: dict[str, tuple[Callable[..., Any], list[Any]]] = {}
     try:
         for v in names:
-            R._pairs, DPS.DPTrainStep._noisy = _patches(v)
+            _patch(v)
             if device.type == "cuda":  # (captured graphs; on the CPU guards pick the variant)
                 torch._dynamo.reset()
             t0 = time.perf_counter()
@@ -189,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(a.rounds):
             for v, (fn, box) in steps.items():
                 # each variant runs with its own patches (a CPU step may recompile on a call)
-                R._pairs, DPS.DPTrainStep._noisy = _patches(v)
+                _patch(v)
                 if device.type == "cuda":
                     e0 = torch.cuda.Event(enable_timing=True)
                     e1 = torch.cuda.Event(enable_timing=True)
@@ -205,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                         box[0], _m = fn(box[0], total)
                     times[v].append(1e3 * (time.perf_counter() - t0) / a.inner)
     finally:
-        R._pairs, DPS.DPTrainStep._noisy = original
+        _patch("current")
     for v, ts in times.items():
         if not all(torch.isfinite(p).all() for p in steps[v][1][0].params.values()):
             raise RuntimeError(f"{v}: non-finite params after the timed calls")

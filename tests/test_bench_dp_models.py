@@ -131,12 +131,12 @@ def test_noise_update_script_runs_and_restores_the_library(capsys):
     import torchfn.persample._dp_random as R
     import torchfn.persample._dpsgd as DPS
 
-    before = (R._pairs, DPS.DPTrainStep._noisy)
+    before = (R._pairs, DPS.DPTrainStep._noisy, DPS._noisy_sums)
     mod = _load("dp_noise_update")
     assert mod.main(["--tiny", "--rounds", "1", "--inner", "1"]) == 0
     out = capsys.readouterr().out
     for v in mod.VARIANTS:
         assert f"  {v}: built" in out and "median" in out
-    assert (R._pairs, DPS.DPTrainStep._noisy) == before
+    assert (R._pairs, DPS.DPTrainStep._noisy, DPS._noisy_sums) == before
     with pytest.raises(ValueError, match=r"--variants: unknown 'bogus'"):
         mod.main(["--tiny", "--variants", "current,bogus"])

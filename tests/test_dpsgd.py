@@ -211,12 +211,12 @@ def test_noisy_sums_multi_tensor_equals_the_per_leaf_loop(device, tensor_scalars
     gen = torch.Generator().manual_seed(0)
     shapes = [(3, 4), (5,), (), (2, 3, 2), (7,)]
     dtypes = [torch.float32, torch.float32, torch.float64, torch.float32, torch.bfloat16]
-    gs = [torch.randn(s, generator=gen).to(device, d) for s, d in zip(shapes, dtypes)]
-    zs = [torch.randn(s, generator=gen).to(device, d) for s, d in zip(shapes, dtypes)]
+    gs = [torch.randn(s, generator=gen).to(device, d) for s, d in zip(shapes, dtypes, strict=True)]
+    zs = [torch.randn(s, generator=gen).to(device, d) for s, d in zip(shapes, dtypes, strict=True)]
     std, denom = (torch.tensor(0.7, device=device), torch.tensor(3.0, device=device)) \
         if tensor_scalars else (0.7, 3.0)
     def loop(gs, zs, std, denom):
-        return [(g + std * z) / denom for g, z in zip(gs, zs)]
+        return [(g + std * z) / denom for g, z in zip(gs, zs, strict=True)]
 
     # eager against eager, compiled against the compiled loop; a bf16 leaf within 2 ulps
     # (Inductor may compute a bf16 expression in float32 and round once, or round each op)
@@ -224,7 +224,7 @@ def test_noisy_sums_multi_tensor_equals_the_per_leaf_loop(device, tensor_scalars
                       (torch.compile(_noisy_sums, fullgraph=True)(gs, zs, std, denom),
                        torch.compile(loop, fullgraph=True)(gs, zs, std, denom))):
         assert [t.dtype for t in got] == dtypes
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             if a.dtype == torch.bfloat16:
                 torch.testing.assert_close(a, b, rtol=2 ** -6, atol=0)
             else:
