@@ -220,8 +220,14 @@ def test_noisy_sums_multi_tensor_equals_the_per_leaf_loop(device, tensor_scalars
 
     # eager against eager, compiled against the compiled loop; a bf16 leaf within 2 ulps
     # (Inductor may compute a bf16 expression in float32 and round once, or round each op)
-    for got, want in ((_noisy_sums(gs, zs, std, denom), loop(gs, zs, std, denom)),
-                      (torch.compile(_noisy_sums, fullgraph=True)(gs, zs, std, denom),
+    def copies():  # _noisy_sums may overwrite the noise
+        return [z.clone() for z in zs]
+
+    noise = copies()
+    eager = _noisy_sums(gs, noise, std, denom)
+    assert all(a is b for a, b in zip(eager, noise, strict=True))  # in place: multi-tensor ops
+    for got, want in ((eager, loop(gs, zs, std, denom)),
+                      (torch.compile(_noisy_sums, fullgraph=True)(gs, copies(), std, denom),
                        torch.compile(loop, fullgraph=True)(gs, zs, std, denom))):
         assert [t.dtype for t in got] == dtypes
         for a, b in zip(got, want, strict=True):
@@ -230,7 +236,8 @@ def test_noisy_sums_multi_tensor_equals_the_per_leaf_loop(device, tensor_scalars
             else:
                 assert torch.equal(a, b)
     want = loop(gs, zs, std, denom)
-    batched = torch.func.vmap(lambda g, z: _noisy_sums([g], [z], 0.7, 3.0)[0])(gs[0], zs[0])
+    batched = torch.func.vmap(lambda g, z: _noisy_sums([g], [z], 0.7, 3.0)[0])(gs[0],
+                                                                               copies()[0])
     assert torch.equal(batched, want[0] if not tensor_scalars else (gs[0] + 0.7 * zs[0]) / 3.0)
 
 

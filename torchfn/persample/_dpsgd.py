@@ -155,22 +155,28 @@ def _noisy_sums(gs: list[Tensor], zs: list[Tensor], std: float | Tensor,
                 denom: float | Tensor) -> list[Tensor]:
     """Return ``[(g + std * z) / denom]`` over the leaves (same shapes and dtypes pairwise).
 
-    As three multi-tensor ops (``torch._foreach_*``: the same multiply, add and divide per
-    element as the per-leaf loop) when the step is being compiled -- Inductor then lowers them
-    to a few grouped kernels with the optimizer update fused in, where the per-leaf loop gives
-    one kernel per leaf -- or in eager mode where :func:`_foreach_map` allows (one kernel per
-    op and dtype group on CUDA). The DP step's update part is never run under a ``torch.func``
-    transform, which the foreach ops do not support; otherwise the per-leaf loop."""
+    As multi-tensor ops (``torch._foreach_*``: the same multiply, add and divide per element
+    as the per-leaf loop) when the step is being compiled -- Inductor then lowers them to a few
+    grouped kernels with the optimizer update fused in, where the per-leaf loop gives one
+    kernel per leaf -- or in eager mode where :func:`_foreach_map` allows: in place there (one
+    kernel per op and dtype group on CUDA, no memory beyond the noise), so ``zs`` (the noise:
+    disjoint tensors the caller owns) may be overwritten with the results. The DP step's
+    update part is never run under a ``torch.func`` transform, which the foreach ops do not
+    support; otherwise the per-leaf loop."""
     scalars = [t for t in (std, denom) if isinstance(t, Tensor)]
-
-    def fused(g: list[Tensor], z: list[Tensor]) -> tuple[list[Tensor]]:
-        return (torch._foreach_div(torch._foreach_add(g, torch._foreach_mul(z, std)), denom),)
-
     devices = {t.device for t in gs}
     if gs and len(devices) == 1 and all(t.ndim == 0 and t.device in devices for t in scalars):
-        if torch.compiler.is_compiling():
-            return fused(gs, zs)[0]
-        res = _foreach_map(fused, [gs, zs])
+        if torch.compiler.is_compiling():  # out of place: nothing for functionalization to do
+            return torch._foreach_div(torch._foreach_add(gs, torch._foreach_mul(zs, std)),
+                                      denom)
+
+        def in_place(g: list[Tensor], z: list[Tensor]) -> tuple[list[Tensor]]:
+            torch._foreach_mul_(z, std)
+            torch._foreach_add_(z, g)  # std z + g: the same sum as g + std z
+            torch._foreach_div_(z, denom)
+            return (z,)
+
+        res = _foreach_map(in_place, [gs, zs])
         if res is not None:
             return res[0]
     return [(g + std * z) / denom for g, z in zip(gs, zs, strict=True)]
