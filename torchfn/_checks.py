@@ -71,8 +71,11 @@ def _foreach_ok(*lists: Any) -> bool:
     """Whether ``torch._foreach_*`` multi-tensor ops may replace a per-leaf loop of the same
     single-tensor ops over the tensors in ``lists`` (each a sequence of tensors).
 
-    True only in eager mode (not while compiling: a compiled step fuses the loop itself),
-    outside every ``torch.func`` transform (the foreach ops have no batching or functorch
+    True only in eager mode (while compiling, Dynamo cannot tell whether a ``torch.func``
+    transform is active; Inductor fuses each leaf's loop body into one kernel per leaf, and a
+    caller that knows it runs outside every transform may use the multi-tensor ops there too,
+    which Inductor groups across leaves: see the DP step's ``_noisy_sums``), outside every
+    ``torch.func`` transform (the foreach ops have no batching or functorch
     grad rules) and when no tensor is tracked by autograd (grad mode on and
     ``requires_grad``: meta-learning differentiates through an update with
     ``create_graph=True`` or ``torch.func.grad``), and when every item is a plain dense strided

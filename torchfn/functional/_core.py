@@ -411,8 +411,8 @@ def _norm(leaves: list[Tensor], per_member: bool) -> Tensor:
 
 def _eager_multi_tensor(leaves: list[Tensor]) -> bool:
     """Whether the multi-tensor (``torch._foreach_*``) kernels may replace a per-leaf loop: in
-    eager mode only (a compiled step fuses the loop itself), outside every ``torch.func``
-    transform (the foreach ops have no batching rules), on one device."""
+    eager mode only (see :func:`torchfn._checks._foreach_ok` for compiled steps), outside
+    every ``torch.func`` transform (the foreach ops have no batching rules), on one device."""
     if not leaves or torch.compiler.is_compiling():
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:

@@ -55,6 +55,7 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
+from torchfn import _checks
 from torchfn._checks import (
     STEP_INDUCTOR_OPTIONS,
     _compile_kwargs,
@@ -166,7 +167,9 @@ def _noisy_sums(gs: list[Tensor], zs: list[Tensor], std: float | Tensor,
     scalars = [t for t in (std, denom) if isinstance(t, Tensor)]
     devices = {t.device for t in gs}
     if gs and len(devices) == 1 and all(t.ndim == 0 and t.device in devices for t in scalars):
-        if torch.compiler.is_compiling():  # out of place: nothing for functionalization to do
+        if torch.compiler.is_compiling() and _checks._USE_FOREACH:
+            # out of place: in-place ops on the views of one noise draw would make
+            # functionalization scatter each result back into it
             return torch._foreach_div(torch._foreach_add(gs, torch._foreach_mul(zs, std)),
                                       denom)
 
