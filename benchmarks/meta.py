@@ -56,7 +56,11 @@ Precision is equal on both sides: ``--precision highest`` (default) turns TF32 o
 (matmul and cuDNN) and sets JAX's default matmul/conv precision to 'highest'; ``tf32`` allows
 TF32 on both. The TF32 state is printed. ``--small`` shrinks everything for a CPU smoke test;
 ``--out results.json`` writes JSON. ``--inner-steps K`` overrides the 5 inner steps (compile
-time grows with K for ``compiled``, not for ``inner``).
+time grows with K for ``compiled``, not for ``inner``). ``--config KEY=VALUE,...`` overrides
+any entry of the config (``channels``, ``n_tasks``, ``n_way``, ``k_shot``, ``n_query``,
+``size``, ``steps``), e.g. issue 18's second config ``--config
+channels=32,n_way=5,k_shot=5,n_tasks=16,steps=3``; the JAX twin takes its shapes from the
+same weights and tasks.
 
 ``--saved-bytes`` (``inner`` variants): after timing, one more call with
 ``torch.autograd.graph.saved_tensors_hooks`` that sums the bytes of the distinct storages the
@@ -363,6 +367,20 @@ def saved_bytes(call: Callable[..., tuple], params: dict, buffers: dict, tasks: 
             "largest": [[p, c, list(sh), dt, n] for (p, sh, dt), (c, n) in largest]}
 
 
+def parse_config(text: str | None, cfg: dict) -> dict:
+    """``--config``'s ``KEY=VALUE,...`` as ``{key: int}``; keys must be those of ``cfg``."""
+    out: dict = {}
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or key not in cfg or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--config: {item!r} is not KEY=VALUE with KEY one of {sorted(cfg)} "
+                             "and VALUE a positive int")
+        out[key] = int(value)
+    return out
+
+
 def setup(args: argparse.Namespace) -> tuple:
     """Return ``(device, dtype, cfg, module, tasks, model_fn, params, buffers)``, seeded."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -375,6 +393,7 @@ def setup(args: argparse.Namespace) -> tuple:
         cfg.update(channels=8, n_tasks=4, n_query=3, size=16, steps=2)
     if args.inner_steps is not None:
         cfg.update(steps=args.inner_steps)
+    cfg.update(parse_config(args.config, cfg))
     torch.manual_seed(0)
     module = conv_net(cfg["channels"], cfg["n_way"], cfg["size"]).to(device, dtype)
     tasks = make_tasks(cfg["n_tasks"], cfg["n_way"], cfg["k_shot"], cfg["n_query"],
@@ -448,6 +467,7 @@ def warm_start(args: argparse.Namespace, name: str) -> dict:
             "--dtype", args.dtype, "--precision", args.precision]
     argv += ["--small"] if args.small else []
     argv += [] if args.inner_steps is None else ["--inner-steps", str(args.inner_steps)]
+    argv += [] if args.config is None else ["--config", args.config]
     for label in ("cold", "warm"):
         start = time.time()
         proc = subprocess.run(argv, capture_output=True, text=True)
@@ -481,6 +501,9 @@ def main() -> None:
     ap.add_argument("--precision", default="highest", choices=["highest", "tf32"])
     ap.add_argument("--variants", default="loop,eager,compiled,jax")
     ap.add_argument("--inner-steps", type=int, default=None, help="inner steps (default 5)")
+    ap.add_argument("--config", default=None, metavar="KEY=VALUE,...",
+                    help="override config entries (channels, n_tasks, n_way, k_shot, n_query, "
+                         "size, steps), applied after --small and --inner-steps")
     ap.add_argument("--warm-start", action="store_true",
                     help="also time process start to first step, cold and warm compile cache, "
                          "for compiled and inner variants (two fresh processes each)")
