@@ -3,7 +3,6 @@ made-up profiler events."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,16 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from bench_load import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("data_prefetch",
-                                                  ROOT / "benchmarks" / "data_prefetch.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("data_prefetch", "data_prefetch")
 
 
 def test_gpu_gaps_merge_overlapping_activity():

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_load import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -75,12 +77,7 @@ def test_tiny_run_every_row_agrees(tmp_path: Path):
 
 
 def test_agree_catches_a_mismatch():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("data_sources_bench",
-                                                  ROOT / "benchmarks" / "data_sources.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("data_sources")
     a = {"samples": 10, "label_sum": 45.0, "x_sum": 1.5, "x_label_sum": 7.25}
     assert mod._agree(a, dict(a))
     assert not mod._agree(a, {**a, "samples": 9})

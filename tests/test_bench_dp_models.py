@@ -7,17 +7,15 @@ per-sample norms equal vmap(grad)'s (the script's own check).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_load import load_bench
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 # transformers/peft deprecation chatter, and torch's note that flash attention has no vmap
 # batching rule on CPU (the vmap rows then loop; slower, same numbers)
 pytestmark = [
@@ -28,15 +26,8 @@ TORCHFN_ROWS = "nonprivate-eager,dpsgd-eager,torch-eager,vmap-dpsgd"
 
 
 def _load(name: str = "dp_models"):
-    """Import ``benchmarks/<name>.py`` (with ``benchmarks/`` on the path for its imports)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    """Import ``benchmarks/<name>.py``."""
+    return load_bench(name, name)
 
 
 def _run(tmp_path: Path, *args: str) -> dict:

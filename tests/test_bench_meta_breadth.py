@@ -9,7 +9,6 @@ gradient comparison, and a tolerance violation fails the run.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -17,20 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from bench_load import BENCH, load_bench
 
 
 def _load():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("meta_breadth_bench",
-                                                      BENCH / "meta_breadth.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_bench("meta_breadth")
 
 
 SMALL = ["--small", "--dtype", "float64", "--inner-steps", "1,2", "--repeats", "1",

@@ -9,24 +9,16 @@ records every config as skipped; ``--merge`` combines result files.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from bench_load import load_bench
 
 
 def _load():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("sweep_bench", BENCH / "sweep.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCH))
-    return mod
+    return load_bench("sweep")
 
 
 def test_six_configs_per_family():
