@@ -534,3 +534,29 @@ def test_zoo_matrix_cuda(name: str, path: str) -> None:
 @pytest.mark.parametrize("name", ("lstm_cls", "tfm_encoder"))
 def test_zoo_maml_cuda(name: str) -> None:
     _cell(name, "maml", lambda: check_maml(name, "cuda", torch.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "peft_bert", "lstm_cls", "tied_lm"])
+def test_zoo_dp_step_compiled_equals_eager_with_noise(name: str) -> None:
+    """The compiled DP step (noise on: the multi-tensor noisy sum and update) equals the eager
+    step in float64 on zoo models with tied weights, frozen LoRA bases and recurrent layers."""
+    entry = _entry(name)
+    x, y = entry.batch(B, 0)
+    valid = torch.tensor([True, True, False, True])
+    ghost, params, buffers = make_ghost_model(entry.module)
+    opt = torchopt.sgd(LR, momentum=0.9)
+    step = make_dp_train_step(ghost, entry.loss_fn, opt, noise_multiplier=1.0, max_grad_norm=0.5,
+                              sample_rate=0.25, dataset_size=20)
+    eager = compiled = init_dp_state(params, buffers, opt, seed=3, trainable=ghost.trainable)
+    fn = torch.compile(step, fullgraph=True)
+    for _ in range(2):
+        eager, m_e = step(eager, (x, y), valid)
+        compiled, m_c = fn(compiled, (x, y), valid)
+    for k in params:
+        _close(compiled.params[k], eager.params[k], f"{name}: compiled DP param {k}")
+    for k in m_e:
+        _close(m_c[k].double(), m_e[k].double(), f"{name}: compiled DP metric {k}")
+    for k in _frozen(entry.module):  # a frozen base (LoRA) gets no noise and no update
+        assert torch.equal(compiled.params[k], params[k]), f"{name}: frozen {k} changed"
+    assert all(not torch.equal(compiled.params[k], params[k]) for k in _trainable(entry.module))
