@@ -260,7 +260,14 @@ def _map_updates(
     leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
     trees = [leaves]
     if params is not None:
-        if optree.tree_structure(params, none_is_leaf=True) == spec:
+        if torch.compiler.is_compiling():
+            # Dynamo (torch 2.11 with optree 0.20) cannot trace PyTreeSpec.__eq__: compare
+            # the leaf paths (plain tuples) while tracing, the full specs in eager calls
+            same = (optree.tree_paths(params, none_is_leaf=True)
+                    == optree.tree_paths(updates, none_is_leaf=True))
+        else:
+            same = optree.tree_structure(params, none_is_leaf=True) == spec
+        if same:
             trees.append(spec.flatten_up_to(params))
         else:
             trees = []  # the per-leaf map says what is wrong
