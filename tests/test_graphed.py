@@ -328,3 +328,98 @@ def test_compiled_attention_train_step_with_adam_equals_eager_on_cuda() -> None:
         torch.testing.assert_close(m["loss"], m_ref["loss"], rtol=1e-4, atol=1e-5)
     assert_trees_close(mine.params, ref.params, rtol=1e-3, atol=1e-4)
     torch.compiler.reset()
+
+
+def _dp_parts_setup(device: str, clipping: str):
+    from torchfn.persample import AdaptiveClipping
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 3))
+    net = net.to(device, F64)
+    net[2].requires_grad_(False)  # a frozen layer: no noise, not in the flat draw
+    ghost, params, buffers = make_ghost_model(net)
+    opt = torchopt.sgd(0.1, momentum=0.9)
+    kw = {"noise_multiplier": 1.0, "sample_rate": 0.2, "dataset_size": 60}
+    if clipping == "per_layer":
+        kw["max_grad_norm"], kw["clipping"] = {"0": 0.5, "3": 0.3}, "per_layer"
+    else:
+        kw["max_grad_norm"] = 0.5
+    if clipping == "adaptive":
+        kw["adaptive_clipping"] = AdaptiveClipping(count_noise_multiplier=1.0)
+    step = make_dp_train_step(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"),
+                              opt, **kw)
+    state = init_dp_state(params, buffers, opt, seed=3, trainable=ghost.trainable,
+                          max_grad_norm=0.5 if clipping == "adaptive" else None)
+    data = batches(3, device)
+    valid = [(torch.arange(12) % (t + 2) != 0).to(device) for t in range(3)]
+    return step, state, data, valid
+
+
+@pytest.mark.parametrize(("clipping", "compile"), [("flat", False), ("per_layer", False),
+                                                   ("adaptive", False), ("flat", True)])
+def test_dp_graph_parts_compose_to_the_step_bit_for_bit(clipping, compile) -> None:
+    """``last(s, first(s, b, v), side(s))`` is the DP step: params, momentum, key and metrics
+    bit for bit, three steps, a frozen layer untouched; the side draw is the noise the step adds
+    (a different draw changes the params)."""
+    step, state, data, valid = _dp_parts_setup("cpu", clipping)
+    parts = step.graph_parts()
+    first, last = parts.first, parts.last
+    side = parts.make_side(first(state, data[0], valid[0]))
+    if compile:
+        first, side, last = (torch.compile(f, fullgraph=True) for f in (first, side, last))
+        ref_step = torch.compile(step, fullgraph=True)
+    else:
+        ref_step = step
+    ref, mine = state, state
+    for b, v in zip(data, valid, strict=True):
+        ref, m_ref = ref_step(ref, b, v)
+        noise = side(mine)
+        assert noise.shape == (5 * 8 + 8 + 4 * 3 + 3,) and noise.dtype == F64  # not layer 2
+        mine, m = last(mine, first(mine, b, v), noise)
+        for k in m_ref:
+            assert torch.equal(m[k], m_ref[k]), k
+        assert all(torch.equal(mine.params[k], ref.params[k]) for k in ref.params)
+        assert optree.tree_all(optree.tree_map(torch.equal, mine.opt_state, ref.opt_state))
+        assert torch.equal(mine.key, ref.key)
+    assert torch.equal(mine.params["2.weight"], state.params["2.weight"])
+    # negative control: other noise, other params
+    other, _ = parts.last(state, parts.first(state, data[0], valid[0]), side(state) + 1e-3)
+    want, _ = step(state, data[0], valid[0])
+    assert not torch.equal(other.params["3.weight"], want.params["3.weight"])
+
+
+def test_dp_graph_parts_refuse_foreign_noise_and_secure_noise_has_none() -> None:
+    step, state, data, valid = _dp_parts_setup("cpu", "flat")
+    parts = step.graph_parts()
+    total = parts.first(state, data[0], valid[0])
+    with pytest.raises(ValueError, match=r"drawn noise is \(3,\) torch.float64, expected \(63,\)"):
+        parts.last(state, total, torch.zeros(3, dtype=F64))
+    ghost, params, buffers = make_ghost_model(nn.Linear(5, 3).to(F64))
+    opt = torchopt.sgd(0.1)
+    secure = make_dp_train_step(ghost, lambda o, y: F.cross_entropy(o, y, reduction="none"),
+                                opt, noise_multiplier=1.0, max_grad_norm=0.5, sample_rate=0.2,
+                                dataset_size=60, secure_noise=True)
+    assert secure.graph_parts() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "adaptive"])
+def test_cuda_dp_graphed_overlap_equals_one_graph_bit_for_bit(clipping) -> None:
+    """The overlapped capture (noise on a second stream beside the forward and backward)
+    equals the one-graph capture bit for bit, step after step, and the plain step closely."""
+    step, state, data, valid = _dp_parts_setup("cuda", clipping)
+    one = make_graphed_step(step, state, data[0], valid[0], overlap=False)
+    two = make_graphed_step(step, state, data[0], valid[0])
+    assert one._parts is None and two._parts is not None and two.graphed
+    s1, s2, ref = state, state, state
+    for b, v in zip(data, valid, strict=True):
+        s1, m1 = one(s1, b, v)
+        s2, m2 = two(s2, b, v)
+        ref, _ = step(ref, b, v)
+        for k in m1:
+            assert torch.equal(m1[k], m2[k]), k
+        assert all(torch.equal(s1.params[k], s2.params[k]) for k in s1.params)
+        assert torch.equal(s1.key, s2.key)
+    assert_trees_close(s2.params, ref.params, rtol=1e-10, atol=1e-12)
+    assert torch.equal(s2.params["2.weight"], state.params["2.weight"])
