@@ -23,9 +23,7 @@ SGD update; noise multiplier 1, clipping norm 1, flat clipping):
 - ``nonprivate-{eager,compiled,graphed}``: torchfn ``make_train_step`` (torchopt SGD);
 - ``dpsgd-{eager,compiled,graphed}``: torchfn ``make_ghost_model`` + ``make_dp_train_step``;
   compiled: ``DPTrainStep.compile()`` / ``torch.compile(fullgraph=True)``; graphed:
-  ``make_graphed_step`` (CUDA only; the noise drawn on a second stream beside the forward
-  and backward); ``dpsgd-graphed-serial``: the same captured as one compiled function
-  (``make_graphed_step(..., overlap=False)``: the noise after the backward);
+  ``make_graphed_step`` (CUDA only);
 - ``opacus-hooks``: Opacus ``GradSampleModule`` + ``DPOptimizer`` (per-sample gradients);
 - ``opacus-ghost``: Opacus ``GradSampleModuleFastGradientClipping`` (ghost clipping) +
   ``DPOptimizerFastGradientClipping`` + ``DPLossFastGradientClipping`` (it refuses tied
@@ -89,7 +87,7 @@ LR, SIGMA, CLIP, DATASET = 1e-3, 1.0, 1.0, 60_000
 WORKLOADS = ("gpt2", "gpt2-lora", "vit")
 VARIANTS = ("nonprivate-eager", "dpsgd-eager", "opacus-hooks", "opacus-ghost", "torch-eager",
             "vmap-dpsgd", "nonprivate-compiled", "dpsgd-compiled", "nonprivate-graphed",
-            "dpsgd-graphed", "dpsgd-graphed-serial")
+            "dpsgd-graphed")
 DEFAULT_VARIANTS = VARIANTS[:6]  # eager only: no long compiles by default
 GOALS = {"dp_time": 1.25, "dp_mem": 1.3, "vs_opacus_ghost": 3.0, "vs_opacus_hooks": 2.0}
 
@@ -253,7 +251,7 @@ def v_nonprivate(model: nn.Module, x: Tensor, y: Tensor, kind: str, precision: s
 
 
 def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, kind: str, precision: str,
-            mode: str, overlap: bool = True) -> tuple[Callable[[], Any], dict[str, Any]]:
+            mode: str) -> tuple[Callable[[], Any], dict[str, Any]]:
     ghost, params, buffers = make_ghost_model(model)
     kinds = list(ghost.layer_kinds.values())
     info = {"layers": {k: kinds.count(k) for k in sorted(set(kinds))},
@@ -266,7 +264,7 @@ def v_dpsgd(model: nn.Module, x: Tensor, y: Tensor, kind: str, precision: str,
     box = [init_dp_state(params, buffers, opt, seed=0, trainable=ghost.trainable)]
     fn: Callable[..., Any] = dp
     if mode == "graphed":  # make_graphed_step applies DPTrainStep.inductor_options
-        fn = make_graphed_step(dp, box[0], (x, y), valid, overlap=overlap)
+        fn = make_graphed_step(dp, box[0], (x, y), valid)
     elif mode == "compiled":
         fn = dp.compile()
 
@@ -388,8 +386,6 @@ def check_norms(model: nn.Module, x: Tensor, y: Tensor, kind: str) -> float:
 def make_variant(variant: str, model: nn.Module, x: Tensor, y: Tensor, kind: str,
                  precision: str) -> tuple[Callable[[], Any], dict[str, Any]]:
     mode = variant.rsplit("-", 1)[-1]
-    if variant == "dpsgd-graphed-serial":
-        return v_dpsgd(model, x, y, kind, precision, "graphed", overlap=False)
     if variant == "torch-eager":
         return v_torch(model, x, y, kind, precision), {}
     if variant.startswith("nonprivate-"):
@@ -429,7 +425,7 @@ def run_row(workload: str, variant: str, precision: str, template: nn.Module,
     """One (workload, precision, variant) row; its error is recorded, never raised."""
     row: dict[str, Any] = {"workload": workload, "precision": precision, "variant": variant,
                            "batch": cfg["batch"]}
-    if "-graphed" in variant and device.type != "cuda":
+    if variant.endswith("-graphed") and device.type != "cuda":
         row["error"] = "skipped: make_graphed_step captures CUDA graphs (CUDA only)"
         return row
     try:
@@ -472,7 +468,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         w, p, mode = r["workload"], r["precision"], r["variant"].split("-", 1)[1]
         s: dict[str, Any] = {"workload": w, "precision": p, "variant": r["variant"]}
-        base = f"nonprivate-{mode.split('-')[0]}"  # graphed-serial: vs nonprivate-graphed
+        base = f"nonprivate-{mode}"
         t0, m0 = _lookup(rows, w, p, base), _lookup(rows, w, p, base, "peak_mem_mb")
         if t0:
             s["dp_time"] = r["median_ms"] / t0

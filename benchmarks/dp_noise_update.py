@@ -75,9 +75,10 @@ def _pairs_f32_angle(key: torch.Tensor, p: torch.Tensor, dtype: torch.dtype
     return (r * torch.cos(theta)).to(dtype), (r * torch.sin(theta)).to(dtype)
 
 
-def _noisy_none(self: Any, state: Any, sums: Any, noise_slices: Any = None, noise: Any = None
+def _noisy_none(self: Any, state: Any, sums: Any, noise_slices: Any = None
                 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    noised = self._noised_names(state, sums)
+    names = self._options.trainable_names(state.params, set(self._ghost.frozen))
+    noised = [k for k in sums if k in names]
     return {k: sums[k] / self.expected_batch_size for k in noised}, noised
 
 

@@ -9,7 +9,6 @@ from torchfn.compile._cache import save_compile_cache as save_compile_cache
 from torchfn.compile._compile_log import CompiledStep as CompiledStep
 from torchfn.compile._compile_log import compile_step as compile_step
 from torchfn.compile._conv_pass import inductor_options as inductor_options
-from torchfn.compile._graphed import OverlapParts as OverlapParts
 from torchfn.compile._graphed import make_graphed_step as make_graphed_step
 from torchfn.compile._profile import OpTime as OpTime
 from torchfn.compile._profile import StepProfile as StepProfile
@@ -20,7 +19,6 @@ from torchfn.compile._unfold_conv import unfold_convs as unfold_convs
 __all__ = [
     "CompiledStep",
     "OpTime",
-    "OverlapParts",
     "StepProfile",
     "compile_step",
     "enable_compile_cache",

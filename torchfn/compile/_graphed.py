@@ -17,7 +17,7 @@ semantics, which is what the CPU tests exercise.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
@@ -25,25 +25,9 @@ from torch import Tensor
 
 from torchfn._checks import _compile_kwargs
 
-__all__ = ["GraphedStep", "OverlapParts", "make_graphed_step"]
+__all__ = ["GraphedStep", "make_graphed_step"]
 
 Step = Callable[..., tuple[Any, Any]]
-
-
-class OverlapParts(NamedTuple):
-    """A step split so that a graphed step can run one part on a second CUDA stream.
-
-    A step offers it as ``step.graph_parts() -> OverlapParts | None`` (e.g.
-    :class:`torchfn.persample.DPTrainStep`: its noise draw beside the forward and backward).
-    ``first(state, *args) -> mid``; ``make_side(mid) -> side`` where ``side(state) -> extra``
-    reads only ``state`` (``mid`` gives shapes and names, read once when the step is built,
-    never its values); ``last(state, mid, extra) -> (new_state, outputs)``. The contract:
-    ``last(s, first(s, *a), side(s))`` equals ``step(s, *a)`` bit for bit.
-    """
-
-    first: Callable[..., Any]
-    make_side: Callable[[Any], Callable[[Any], Any]]
-    last: Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 def _path(path: tuple[Any, ...]) -> str:
@@ -105,7 +89,7 @@ class GraphedStep:
     """
 
     def __init__(self, step: Step, state: Any, args: tuple[Any, ...], *,
-                 compile: bool | dict[str, Any], warmup: int, overlap: bool = True) -> None:
+                 compile: bool | dict[str, Any], warmup: int) -> None:
         if not callable(step):
             raise TypeError(f"make_graphed_step(step=...): expected a callable "
                             f"step(state, *args) -> (new_state, outputs), got "
@@ -141,35 +125,16 @@ class GraphedStep:
             return result[1]
 
         self._eager = inplace
-        needed = getattr(step, "inductor_options", None)  # e.g. DPTrainStep's
-        kwargs = _compile_kwargs(compile if isinstance(compile, dict) else {},
-                                 needed if isinstance(needed, Mapping) else None)
-
-        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-            return fn if compile is False else torch.compile(fn, **kwargs)
-
-        self._wrap = wrap
-        self._fn: Callable[..., Any] = wrap(inplace)
+        if compile is False:
+            self._fn: Callable[..., Any] = inplace
+        else:
+            needed = getattr(step, "inductor_options", None)  # e.g. DPTrainStep's
+            self._fn = torch.compile(inplace, **_compile_kwargs(
+                compile if isinstance(compile, dict) else {},
+                needed if isinstance(needed, Mapping) else None))
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: Any = None
-        self._parts: tuple[Callable[..., Any], Callable[[Any], Any], Callable[..., Any]] | None
-        self._parts = None
-        self._keep: Any = None
-        parts = step.graph_parts() if overlap and hasattr(step, "graph_parts") else None
-        if parts is not None and self.device.type == "cuda":
-            if not isinstance(parts, OverlapParts):
-                raise TypeError(f"make_graphed_step: step.graph_parts() must return "
-                                f"OverlapParts or None, got {type(parts).__name__}")
-
-            def last(state: Any, mid: Any, extra: Any) -> Any:
-                result = parts.last(state, mid, extra)
-                _copy_into(state, result[0], "")
-                return result[1]
-
-            self._split = (wrap(parts.first), parts.make_side, wrap(last))
         if self.device.type == "cuda":
-            if parts is not None:
-                self._parts_warmup()
             self._capture(warmup)
         else:
             self._first_call(self._state, self._args)  # compile now, surface errors now
@@ -203,47 +168,18 @@ class GraphedStep:
             self._eager(state, args)
             raise
 
-    def _parts_warmup(self) -> None:
-        """Build the overlapped form's side function from one call of ``first`` (its shapes)."""
-        first, make_side, last = self._split
-        try:
-            mid = first(self._state, *self._args)
-        except Exception:
-            self._first_call(self._state, self._args)  # the whole step's plain error, if any
-            raise
-        self._parts = (first, self._wrap(make_side(mid)), last)
-
-    def _run(self, state: Any, args: tuple[Any, ...], noise_stream: Any = None) -> Any:
-        """One in-place step: the whole step, or (overlapped) ``side`` on ``noise_stream``
-        beside ``first``, then ``last`` once both are done."""
-        if self._parts is None:
-            return self._fn(state, args)
-        first, side, last = self._parts
-        if noise_stream is None:
-            return last(state, first(state, *args), side(state))
-        here = torch.cuda.current_stream(self.device)
-        noise_stream.wait_stream(here)
-        with torch.cuda.stream(noise_stream):
-            extra = side(state)
-        mid = first(state, *args)
-        here.wait_stream(noise_stream)
-        self._keep = (mid, extra)  # graph-pool tensors read across streams: never freed early
-        return last(state, mid, extra)
-
     def _capture(self, warmup: int) -> None:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            if self._parts is None:
-                self._first_call(self._state, self._args)
-            for _ in range(warmup - (self._parts is None)):
-                self._run(self._state, self._args)
+            self._first_call(self._state, self._args)
+            for _ in range(warmup - 1):
+                self._fn(self._state, self._args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        noise_stream = torch.cuda.Stream(self.device) if self._parts is not None else None
         try:
             with torch.cuda.graph(graph):
-                self._out = self._run(self._state, self._args, noise_stream)
+                self._out = self._fn(self._state, self._args)
         except Exception as err:
             raise RuntimeError(
                 "make_graphed_step: the step could not be captured as a CUDA graph. A "
@@ -306,7 +242,7 @@ def _check_leaf(kind: str, path: tuple[Any, ...], got: Any, own: Any) -> None:
 
 
 def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[str, Any] = True,
-                      warmup: int = 2, overlap: bool = True) -> GraphedStep:
+                      warmup: int = 2) -> GraphedStep:
     """Return ``step`` as a :class:`GraphedStep`: one CUDA graph, the state donated.
 
     ``step(state, *args) -> (new_state, outputs)`` is any pure step whose new state has the
@@ -320,11 +256,6 @@ def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[s
     ``inductor_options`` attribute (every torchfn step: buffer reuse off) gets those options
     unless the ``compile`` dict names a mode, options or another backend.
     ``warmup`` calls run on a side stream before capture (the first compiles).
-    ``overlap``: a step with ``graph_parts()`` (:class:`OverlapParts`; the DP-SGD step's
-    seeded noise) is captured as three compiled parts, its ``side`` part on a second stream
-    beside ``first``, so independent work runs concurrently in the graph (same results; the
-    side part's output stays allocated for the whole step). ``False`` captures the step as one
-    compiled function.
 
     The step must be capturable: no host synchronisation (``.item()``, printing, data-dependent
     shapes), no CPU tensor ops -- all state tensors are moved to the device of the first CUDA
@@ -358,4 +289,4 @@ def make_graphed_step(step: Step, state: Any, *args: Any, compile: bool | dict[s
         >>> int(state.step), step.graphed
         (3, False)
     """
-    return GraphedStep(step, state, args, compile=compile, warmup=warmup, overlap=overlap)
+    return GraphedStep(step, state, args, compile=compile, warmup=warmup)

@@ -70,7 +70,6 @@ from torchfn.functional import (
     apply_gradients,
     check_optimizer,
 )
-from torchfn.compile._graphed import OverlapParts
 from torchfn.persample._accountant import RDPAccountant, _check_delta
 from torchfn.persample._accountant_pld import PLDAccountant
 from torchfn.persample._accountant_prv import PRVAccountant
@@ -389,57 +388,13 @@ class DPTrainStep:
         return ClippedSum(grads=grads, count=mask.sum(), loss_sum=(losses * mask).sum(),
                           clipped=clipped, norm_sum=(norm * mask).sum())
 
-    def _apply(self, state: DPState, total: ClippedSum, noise: Tensor | None = None,
-               ) -> tuple[DPState, dict[str, Tensor]]:
-        grads, noised = self._noisy(state, total.grads, noise=noise)
+    def _apply(self, state: DPState, total: ClippedSum) -> tuple[DPState, dict[str, Tensor]]:
+        grads, noised = self._noisy(state, total.grads)
         return self._update(state, grads, noised, total)
-
-    def _noised_names(self, state: DPState, sums: Mapping[str, Tensor]) -> list[str]:
-        """The params that get noise, in the order of the flat draw: ``sums``' trainable keys."""
-        names = self._options.trainable_names(state.params, set(self._ghost.frozen))
-        return [k for k in sums if k in names]
-
-    def _seeded_draw(self, state: DPState, noised: list[str], sums: Mapping[str, Tensor],
-                     ) -> Tensor:
-        """The flat seeded standard-normal draw over the ``noised`` params (their elements in
-        order), in the params' dtype when they share one: float64 math rounded once (the same
-        values as a float64 draw cast per leaf), so a compiled graph writes and reads only that
-        dtype."""
-        self._check_key(state.key)
-        n = sum(sums[k].numel() for k in noised)
-        return normal(state.key, (n,), _noise_dtype(state, noised))
-
-    def graph_parts(self) -> OverlapParts | None:
-        """The step in three parts for :func:`torchfn.compile.make_graphed_step` to overlap.
-
-        ``first = clipped_sum``, ``make_side(total)`` gives ``side(state)``: the flat seeded
-        noise draw (it reads only ``state.key`` and the params' dtypes), and ``last(state,
-        total, noise)`` adds that noise, divides and updates: ``last(s, first(s, b, v),
-        side(s))`` equals ``step(s, b, v)`` bit for bit. The graphed step runs ``side`` on a
-        second CUDA stream beside ``first`` (the forward and backward), so the noise's
-        float64 arithmetic overlaps the model's matrix products. None with ``secure_noise``
-        (its float64 sum is per param; nothing to overlap).
-        """
-        if self.secure_noise:
-            return None
-
-        def make_side(total: ClippedSum) -> Callable[[DPState], Tensor]:
-            sums = {k: v for k, v in total.grads.items()}
-
-            def side(state: DPState) -> Tensor:
-                return self._seeded_draw(state, self._noised_names(state, sums), sums)
-
-            return side
-
-        def last(state: DPState, total: ClippedSum, noise: Tensor,
-                 ) -> tuple[DPState, dict[str, Tensor]]:
-            return self._apply(state, total, noise=noise)
-
-        return OverlapParts(self._clipped_sum, make_side, last)
 
     def _noisy(self, state: DPState, sums: Mapping[str, Tensor],
                noise_slices: Mapping[str, tuple[int, int, int, int]] | None = None,
-               noise: Tensor | None = None) -> tuple[TensorDict, list[str]]:
+               ) -> tuple[TensorDict, list[str]]:
         """Return ``({name: (sum + noise) / (q N)}, noised names)`` for the trainable params.
 
         With adaptive clipping's ``normalize_update`` the divisor is ``q N C_t``.
@@ -448,9 +403,10 @@ class DPTrainStep:
         param's full element count, where this shard starts in its flattened elements, how
         many of them are real and the padded shard length. Each shard then adds exactly its
         part of the one flat draw over the full params (:func:`normal_slice`), zero on padding,
-        so the shards together equal the unsharded noise bit for bit. ``noise``: the flat
-        seeded draw :meth:`_seeded_draw` would make, drawn beforehand (:meth:`graph_parts`)."""
-        noised = self._noised_names(state, sums)
+        so the shards together equal the unsharded noise bit for bit."""
+        frozen = set(self._ghost.frozen)
+        names = self._options.trainable_names(state.params, frozen)
+        noised = [k for k in sums if k in names]
         clip_norm = self._clip_norm(state)
         noise_std = self.noise_std if self.adaptive_clipping is None else (
             self.grad_noise_multiplier * clip_norm)  # sigma_grad * C_t (0-d)
@@ -470,15 +426,11 @@ class DPTrainStep:
                 flat = list(secure_normal(state.key, sum(sizes), state.step).split(sizes))
             else:
                 sizes = [sums[k].numel() for k in noised]
-                if noise is None:
-                    noise = self._seeded_draw(state, noised, sums)
-                elif (noise.shape != (sum(sizes),)
-                      or noise.dtype != _noise_dtype(state, noised)):
-                    raise ValueError(
-                        f"DP-SGD step: the drawn noise is {tuple(noise.shape)} "
-                        f"{noise.dtype}, expected ({sum(sizes)},) "
-                        f"{_noise_dtype(state, noised)} (graph_parts' side for another state)")
-                flat = list(noise.split(sizes))
+                # drawn in the params' dtype when they share one: float64 math rounded once
+                # (the same values as a float64 draw cast per leaf), and a compiled graph
+                # writes and reads only that dtype
+                flat = list(normal(state.key, (sum(sizes),), _noise_dtype(state, noised))
+                            .split(sizes))
             gs = [sums[name].to(state.params[name].dtype) for name in noised]
             if self.secure_noise:
                 outs = [((g.to(torch.float64) + noise_std * z.reshape(g.shape)) / denom)
