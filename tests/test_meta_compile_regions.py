@@ -90,6 +90,13 @@ def _close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
+# Dynamo of torch < 2.13 cannot trace the region path (requires_grad_ on detached leaves):
+# the library refuses it there with a clear error (test_old_torch_refuses_regions_clearly)
+needs_regions = pytest.mark.skipif(
+    not _regions.regions_supported(),
+    reason=f"compile_regions needs torch >= {_regions.REGIONS_MIN_TORCH}, got {torch.__version__}")
+
+
 @pytest.fixture(autouse=True)
 def second_order_regions(monkeypatch):
     """Allow second-order regions (refused by default: Inductor miscompiles them in torch
@@ -124,6 +131,7 @@ def _region_calls(gm: torch.fx.GraphModule) -> list[str]:
             if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
 
 
+@needs_regions
 @pytest.mark.parametrize("kind", ["maml", "fomaml", "anil", "meta_sgd"])
 def test_compiled_region_meta_grad_equals_eager_and_per_task_loop(kind, trace_autograd):
     learner = _learner(kind)
@@ -156,6 +164,7 @@ def test_region_path_is_off_by_default_and_the_unrolled_graph_has_no_region(trac
     assert _region_calls(graphs[0]) == []
 
 
+@needs_regions
 def test_compiled_region_step_equals_eager_and_does_not_recompile(trace_autograd):
     learner = _learner("maml")
     opt = adam(1e-2)
@@ -178,6 +187,7 @@ def test_compiled_region_step_equals_eager_and_does_not_recompile(trace_autograd
     assert int(s_comp.step) == 3
 
 
+@needs_regions
 def test_region_chunks_equal_one_chunk(trace_autograd):
     learner = maml(_model_fn, F.mse_loss, inner_lr=LR, inner_steps=STEPS, chunk_size=2,
                    compile_regions=True)
@@ -188,6 +198,7 @@ def test_region_chunks_equal_one_chunk(trace_autograd):
     _close(got, _loop_reference("maml", meta, tasks))
 
 
+@needs_regions
 def test_compile_without_trace_autograd_ops_is_refused():
     assert not torch._dynamo.config.trace_autograd_ops  # torch's default
     learner = _learner("maml")
@@ -196,6 +207,7 @@ def test_compile_without_trace_autograd_ops_is_refused():
             _params(), {}, _tasks())
 
 
+@needs_regions
 def test_region_with_params_that_require_grad_is_refused(trace_autograd):
     learner = _learner("maml")
     meta = {k: v.requires_grad_() for k, v in _params().items()}
@@ -236,6 +248,7 @@ def test_bad_compile_regions_arguments_are_refused():
     assert "compile_regions=True" in repr(maml(_model_fn, F.mse_loss, compile_regions=True))
 
 
+@needs_regions
 def test_compile_step_turns_on_trace_autograd_ops_for_its_calls_only():
     assert not torch._dynamo.config.trace_autograd_ops
     learner = _learner("maml")
@@ -244,3 +257,11 @@ def test_compile_step_turns_on_trace_autograd_ops_for_its_calls_only():
     got, _, _ = cstep(meta, {}, tasks)
     _close(got, _loop_reference("maml", meta, tasks))
     assert not torch._dynamo.config.trace_autograd_ops
+
+
+@pytest.mark.skipif(_regions.regions_supported(), reason="this torch supports the region path")
+def test_old_torch_refuses_regions_clearly(trace_autograd):
+    learner = _learner("maml")
+    with pytest.raises(Exception, match=r"needs torch >= 2\.13 .*compile_regions=False"):
+        torch.compile(learner.meta_grad, backend="aot_eager", fullgraph=True)(
+            _params(), {}, _tasks())

@@ -40,7 +40,13 @@ from torchfn._checks import _call_model, _call_translated, _check_randomness, _p
 from torchfn.functional import FunctionalModel
 from torchfn.meta import _regions
 from torchfn.meta._auto_unfold import check_unfold_convs, compiled_model_fn
-from torchfn.meta._regions import make_region_step, region_chunk_grad, regions_available
+from torchfn.meta._regions import (
+    REGIONS_MIN_TORCH,
+    make_region_step,
+    region_chunk_grad,
+    regions_available,
+    regions_supported,
+)
 from torchfn.meta._remat import remat_task_grad
 from torchfn.meta._second_order import may_use_layer_norm, second_order_context
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
@@ -450,6 +456,13 @@ class MetaLearner:
         with ``compile_regions=True``); raise where that cannot give the right numbers."""
         if not (self.compile_regions and torch.compiler.is_compiling()):
             return False
+        if not regions_supported():
+            raise RuntimeError(
+                f"MetaLearner(compile_regions=True).meta_grad under torch.compile: the region "
+                f"path needs torch >= {'.'.join(map(str, REGIONS_MIN_TORCH))} (Dynamo of torch "
+                f"{torch.__version__} cannot trace its requires_grad_ and autograd.grad); use "
+                "compile_regions=False or make_meta_train_step(..., compile='inner')"
+            )
         if not regions_available():
             raise RuntimeError(
                 "MetaLearner(compile_regions=True).meta_grad under torch.compile: the outer "

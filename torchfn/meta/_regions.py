@@ -42,11 +42,27 @@ SECOND_ORDER_REGIONS = False
 TensorDict = dict[str, Tensor]
 
 
+#: the first torch whose Dynamo traces the region path (``requires_grad_`` on detached leaves
+#: and ``torch.autograd.grad`` under ``trace_autograd_ops``); torch 2.11 refuses
+#: ``requires_grad_`` ("Unsupported Tensor.requires_grad_() call")
+REGIONS_MIN_TORCH = (2, 13)
+
+
+_SUPPORTED = torch.torch_version.TorchVersion(torch.__version__) >= ".".join(
+    map(str, REGIONS_MIN_TORCH))  # at import: Dynamo cannot trace the version parse
+
+
+def regions_supported() -> bool:
+    """Return whether this torch can compile the region path at all (>= :data:`REGIONS_MIN_TORCH`)."""
+    return _SUPPORTED
+
+
 def regions_available() -> bool:
     """Return whether Dynamo traces ``torch.autograd.grad`` into the graph (the region path
-    needs it): ``torch._dynamo.config.trace_autograd_ops``, which
-    :func:`torchfn.compile.compile_step` turns on for its calls."""
-    return bool(getattr(torch._dynamo.config, "trace_autograd_ops", False))
+    needs it): a torch that supports it and ``torch._dynamo.config.trace_autograd_ops``,
+    which :func:`torchfn.compile.compile_step` turns on for its calls."""
+    return regions_supported() and bool(getattr(torch._dynamo.config, "trace_autograd_ops",
+                                                False))
 
 
 def _fresh(out: Any, inp: Any) -> Any:
