@@ -274,6 +274,46 @@ def test_train_frozen_state_over_all_params_and_mismatch() -> None:
         step(other, (x, y))
 
 
+@pytest.mark.parametrize("kind", ["train", "dp"])
+def test_torchopt_list_state_over_all_params_with_a_frozen_same_shape_layer(kind: str) -> None:
+    """torchopt's own transformations keep lists of leaves (no names): a momentum state over
+    all params, with a frozen layer of the same shape as its neighbours (a misaligned list
+    would pair buffers with the wrong params without any shape error), steps exactly like the
+    state over the trainable params; a list state of another param set is refused clearly."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4),
+                              torch.nn.Linear(4, 4)).to(torch.float64)
+    net[1].requires_grad_(False)
+    opt = torchopt.sgd(0.1, momentum=0.9)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    if kind == "train":
+        model_fn, params, buffers = make_functional(net)
+        step = make_train_step(model_fn, F.mse_loss, opt)
+        full = init_train_state(params, buffers, opt, seed=0)
+        part = init_train_state(params, buffers, opt, seed=0, trainable=model_fn.trainable)
+        other = init_train_state(params, buffers, opt, seed=0, trainable=["0.weight"])
+        args: tuple = ((x, y),)
+    else:
+        ghost, params, buffers = make_ghost_model(net)
+        step = make_dp_train_step(ghost, lambda o, t: ((o - t) ** 2).mean(1), opt,
+                                  noise_multiplier=1.0, max_grad_norm=0.5, sample_rate=0.1,
+                                  dataset_size=60)
+        full = init_dp_state(params, buffers, opt, seed=0)
+        part = init_dp_state(params, buffers, opt, seed=0, trainable=ghost.trainable)
+        other = init_dp_state(params, buffers, opt, seed=0, trainable=["0.weight"])
+        args = ((x, y), torch.ones(6, dtype=torch.bool))
+    assert len(full.opt_state[0].trace) == 6 and len(part.opt_state[0].trace) == 4
+    for _ in range(3):
+        full, _ = step(full, *args)
+        part, _ = step(part, *args)
+        for k in params:
+            assert torch.equal(full.params[k], part.params[k]), k
+    assert torch.equal(full.params["1.weight"], params["1.weight"])
+    assert not torch.equal(full.params["2.weight"], params["2.weight"])
+    with pytest.raises(ValueError, match=r"opt_state is not optimizer.init of those params"):
+        step(other, *args)
+
+
 # -- ensemble -----------------------------------------------------------------------------------
 
 N = 2

@@ -349,12 +349,46 @@ def _opt_state_key_sets(opt_state: Any) -> set[frozenset[str]]:
     return found
 
 
+def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
+                           params: Mapping[str, Tensor], names: tuple[str, ...],
+                           where: str) -> bool:
+    """:func:`_opt_covers_all` for a state with no name-keyed dicts (torchopt's own
+    transformations keep lists of leaves): compare its tree structure and leaf shapes with
+    ``optimizer.init`` of the trainable params and of all params, on the meta device."""
+    def layout(tree: Any) -> tuple[Any, list[Any]]:
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        return spec, [tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves]
+
+    def meta_init(keys: Collection[str]) -> Any:
+        return optimizer.init({k: torch.empty_like(params[k], device="meta") for k in keys})
+
+    got = layout(opt_state)
+    if got == layout(meta_init(names)):
+        return False
+    if len(names) < len(params) and got == layout(meta_init(list(params))):
+        return True
+    frozen = sorted(set(params) - set(names))
+    raise ValueError(
+        f"{where}: the optimizer state does not match the trainable params. The step trains "
+        f"{sorted(names)} (frozen: {frozen}), but the state's opt_state is not "
+        "optimizer.init of those params (nor of all params). Build the state with the same "
+        "trainable set, e.g. init_train_state(params, buffers, optimizer, seed=..., "
+        "trainable=...) / init_dp_state(..., trainable=ghost.trainable) with the step's "
+        "trainable=/frozen params"
+    )
+
+
 def _opt_covers_all(opt_state: Any, params: Mapping[str, Tensor], names: tuple[str, ...],
-                    where: str) -> bool:
+                    where: str, optimizer: GradientTransformation | None = None) -> bool:
     """Return True if ``opt_state`` covers every param (frozen ones too), False if it covers
-    only the trainable ``names``; raise ``ValueError`` for any other set."""
+    only the trainable ``names``; raise ``ValueError`` for any other set. A state without
+    name-keyed dicts is checked against ``optimizer.init`` in eager calls (where the
+    params differ from the trainable ones); while compiling it is taken to be over ``names``."""
     key_sets = _opt_state_key_sets(opt_state)
     want, everything = frozenset(names), frozenset(params)
+    if not key_sets and (optimizer is not None and want != everything
+                         and not torch.compiler.is_compiling()):
+        return _flat_state_covers_all(optimizer, opt_state, params, names, where)
     if not key_sets or key_sets == {want}:
         return False
     if key_sets == {everything}:
@@ -575,7 +609,7 @@ def apply_gradients(
             coef = torch.clamp(opts.max_grad_norm / (norm + 1e-6), max=1.0)
             g = _scale_tree(g, coef, per_member)
 
-    if _opt_covers_all(state.opt_state, params, names, where):
+    if _opt_covers_all(state.opt_state, params, names, where, optimizer):
         g_in = {k: g[k] if k in g else torch.zeros_like(v) for k, v in params.items()}
         p_in = dict(params)
     else:
