@@ -382,12 +382,11 @@ def _opt_covers_all(opt_state: Any, params: Mapping[str, Tensor], names: tuple[s
                     where: str, optimizer: GradientTransformation | None = None) -> bool:
     """Return True if ``opt_state`` covers every param (frozen ones too), False if it covers
     only the trainable ``names``; raise ``ValueError`` for any other set. A state without
-    name-keyed dicts is checked against ``optimizer.init`` in eager calls (where the
-    params differ from the trainable ones); while compiling it is taken to be over ``names``."""
+    name-keyed dicts is checked against ``optimizer.init`` (on meta tensors: no memory, and
+    nothing left in a compiled graph) where some params are frozen."""
     key_sets = _opt_state_key_sets(opt_state)
     want, everything = frozenset(names), frozenset(params)
-    if not key_sets and (optimizer is not None and want != everything
-                         and not torch.compiler.is_compiling()):
+    if not key_sets and optimizer is not None and want != everything:
         return _flat_state_covers_all(optimizer, opt_state, params, names, where)
     if not key_sets or key_sets == {want}:
         return False
