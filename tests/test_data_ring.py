@@ -6,6 +6,7 @@ stays right."""
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 
@@ -105,7 +106,14 @@ def test_early_shutdown_and_persistent_workers(arrays, shard_dir):
         for i, _batch in enumerate(DataLoader(ds, batch_size=None, num_workers=2)):
             if i == 3:
                 break
-    # bounded: drained regions are dropped, closed undrained ones kept at most _KEEP_CLOSED
+    # bounded: drained regions are dropped, closed undrained ones kept at most _KEEP_CLOSED.
+    # A sweep runs when a region registers; a worker marks its region closed as it exits,
+    # which under load can come after the next loader's registration: sweep once more now
+    # that every loader is gone (the +2: a worker killed by a join timeout never closes)
+    del _batch
+    gc.collect()
+    with _ring._lock:
+        _ring._sweep()
     assert len(_ring._regions) <= _ring._KEEP_CLOSED + 2
     got = [_copy(b) for b in DataLoader(ds, batch_size=None, num_workers=2)]
     for a, b in zip(got, ref, strict=True):
