@@ -15,7 +15,13 @@ the run only, to see what a change would buy before making it):
   its cosine/sine in float32 (what a float32-output fast path could be);
 - ``no-noise``: the clipped sum divided and applied, no noise (the floor of this part);
 - ``per-leaf``: the noise added and divided by a per-leaf loop (Inductor: one update kernel per
-  leaf) instead of the library's multi-tensor ops (grouped kernels).
+  leaf) instead of the library's multi-tensor ops (grouped kernels);
+- ``poly``: the angle's cosine and sine as float64 polynomials after an exact octant reduction
+  of the 32-bit word (same float64 accuracy as the library functions, fewer FP64 operations);
+- ``fused``: the ``poly`` draw computed elementwise from each parameter's global indices inside
+  its per-leaf update expression (no flat noise tensor: Inductor can fuse the draw into the
+  update; each element pays its pair's ``log``/``sqrt``); ``fused-foreach``: the same noise fed
+  to the library's multi-tensor ops.
 
 ``+KEY=VALUE`` suffixes on a variant set Inductor options for it (``+combo`` is short for
 ``+combo_kernels=True``): e.g. ``current+combo`` or ``current+score_fusion_memory_threshold=1``.
@@ -34,6 +40,7 @@ Measured: ``results/dp-noise-update-h100.md``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -57,7 +64,85 @@ from torchfn._checks import STEP_INDUCTOR_OPTIONS
 from torchfn.compile import make_graphed_step
 from torchfn.persample import init_dp_state, make_dp_train_step, make_ghost_model
 
-VARIANTS = ("current", "f32-angle", "no-noise", "per-leaf")
+VARIANTS = ("current", "f32-angle", "no-noise", "per-leaf", "poly", "fused", "fused-foreach")
+
+# Taylor coefficients of sin (x^3 .. x^15) and cos (x^2 .. x^16): on [0, pi/4] the first
+# omitted terms are below 5e-17 (sin) and 3e-18 (cos)
+_SIN = [(-1) ** k / math.factorial(2 * k + 1) for k in range(1, 8)]
+_COS = [(-1) ** k / math.factorial(2 * k) for k in range(1, 9)]
+_TURN = R._TWO_PI / 4294967296.0  # radians per unit of a 32-bit angle word
+
+
+def _turn_sincos(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the angle ``2 pi w / 2**32`` of int32 words ``w`` (bit patterns), in
+    float64: the quadrant from the word's top two bits and the mirror of its octant are exact
+    integer steps, leaving an angle in ``[0, pi/4]`` for two short polynomials (no library
+    sine or cosine: what the FP64 units spend most of the draw on)."""
+    q = (w >> 30) & 3
+    m = w & 0x3FFFFFFF
+    upper = m >= 0x20000000  # the octant's upper half: mirror, swap sine and cosine
+    x = torch.where(upper, 0x40000000 - m, m).to(torch.float64) * _TURN
+    x2 = x * x
+    ps, pc = _SIN[-1], _COS[-1]
+    for c in reversed(_SIN[:-1]):
+        ps = ps * x2 + c
+    for c in reversed(_COS[:-1]):
+        pc = pc * x2 + c
+    s, c = x + x * (x2 * ps), 1.0 + x2 * pc
+    swap = upper ^ ((q & 1) == 1)
+    a, b = torch.where(swap, s, c), torch.where(swap, c, s)
+    return torch.where((q == 1) | (q == 2), -a, a), torch.where(q >= 2, -b, b)
+
+
+def _radius_and_word(key: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair ``p``'s Box-Muller radius (float64, from a 53-bit uniform) and angle word."""
+    k0, k1 = R._word32(key[0]), R._word32(key[1])
+    c = p * 3
+    hi = (R._hash32(k0, k1, c) >> 5) & 0x7FFFFFF
+    lo = (R._hash32(k0, k1, c + 1) >> 6) & 0x3FFFFFF
+    u1 = 1.0 - (hi.to(torch.float64) * 67108864.0 + lo.to(torch.float64)) * (
+        1.0 / 9007199254740992.0)
+    return torch.sqrt(-2.0 * torch.log(u1)), R._hash32(k0, k1, c + 2)
+
+
+def _pairs_poly(key: torch.Tensor, p: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_dp_random._pairs`` with :func:`_turn_sincos` for the angle (same float64 accuracy)."""
+    r, w = _radius_and_word(key, p)
+    cos, sin = _turn_sincos(w)
+    return (r * cos).to(dtype), (r * sin).to(dtype)
+
+
+def _normal_elementwise(key: torch.Tensor, j: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Element ``j`` (int64) of the :func:`_pairs_poly` draw, from ``j`` alone: its pair's
+    radius times the cosine of its pair's angle word, less a quarter turn for the odd (sine)
+    element -- exactly the pair's sine, as the quadrant step is an integer one. No flat draw is
+    materialised, so a compiled graph can fuse each leaf's noise into its update; each
+    element pays its pair's ``log``/``sqrt`` (twice the pair draw's)."""
+    r, w = _radius_and_word(key, (j >> 1).to(torch.int32))
+    cos, _ = _turn_sincos(w - ((j & 1).to(torch.int32) << 30))
+    return (r * cos).to(dtype)
+
+
+def _noisy_fused(self: Any, state: Any, sums: Any, noise_slices: Any = None,
+                 foreach: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``DPTrainStep._noisy`` (seeded noise, fixed threshold) with each leaf's noise computed
+    elementwise from its global indices inside its own update expression."""
+    names = self._options.trainable_names(state.params, set(self._ghost.frozen))
+    noised = [k for k in sums if k in names]
+    dtype = DPS._noise_dtype(state, noised)
+    gs = [sums[k].to(state.params[k].dtype) for k in noised]
+    zs, start = [], 0
+    for g in gs:
+        j = torch.arange(start, start + g.numel(), dtype=torch.int64, device=g.device)
+        zs.append(_normal_elementwise(state.key, j, dtype).reshape(g.shape).to(g.dtype))
+        start += g.numel()
+    std, denom = self.noise_std, self.expected_batch_size
+    if foreach:
+        outs = list(torch._foreach_div(torch._foreach_add(gs, zs, alpha=std), denom))
+    else:
+        outs = [(g + std * z) / denom for g, z in zip(gs, zs, strict=True)]
+    return dict(zip(noised, outs, strict=True)), noised
 
 
 def _pairs_f32_angle(key: torch.Tensor, p: torch.Tensor, dtype: torch.dtype
@@ -116,6 +201,13 @@ def _patch(variant: str) -> None:
         noisy = _noisy_none
     elif variant == "per-leaf":
         sums = _sums_per_leaf
+    elif variant == "poly":
+        pairs = _pairs_poly
+    elif variant == "fused":
+        noisy = _noisy_fused
+    elif variant == "fused-foreach":
+        def noisy(self: Any, state: Any, sums: Any, noise_slices: Any = None) -> Any:
+            return _noisy_fused(self, state, sums, noise_slices, foreach=True)
     elif variant != "current":
         raise ValueError(f"--variants: unknown {variant!r}; expected some of {VARIANTS}")
     R._pairs, DPS.DPTrainStep._noisy, DPS._noisy_sums = pairs, noisy, sums

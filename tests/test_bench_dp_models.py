@@ -131,3 +131,35 @@ def test_noise_update_script_runs_and_restores_the_library(capsys):
     assert (R._pairs, DPS.DPTrainStep._noisy, DPS._noisy_sums) == before
     with pytest.raises(ValueError, match=r"--variants: unknown 'bogus'"):
         mod.main(["--tiny", "--variants", "current,bogus"])
+
+
+def test_noise_update_polynomial_and_elementwise_draws_equal_the_pair_draw():
+    """dp_noise_update's ``poly`` pairs are the library's float64 draw to the last bits (and the
+    same float32 values), and its elementwise form (``fused``) is the ``poly`` draw bit for bit,
+    at odd starts too, eager and compiled -- the property a fused noise would rely on."""
+    import torch
+
+    import torchfn.persample._dp_random as R
+
+    mod = _load("dp_noise_update")
+    key = R.fold_in(R.key_from_seed(11), 4)
+    p = torch.arange(0, 5000, dtype=torch.int32)
+    # words near the quadrant and octant edges, and the extremes
+    edges = torch.tensor([0, 1, 2**29 - 1, 2**29, 2**29 + 1, 2**30 - 1, 2**30, 2**31 - 1,
+                          -(2**31), -1, -(2**30), -(2**29)], dtype=torch.int32)
+    cos, sin = mod._turn_sincos(edges)
+    theta = (edges.to(torch.int64) & 0xFFFFFFFF).to(torch.float64) * mod._TURN
+    torch.testing.assert_close(cos, torch.cos(theta), rtol=0, atol=1e-15)
+    torch.testing.assert_close(sin, torch.sin(theta), rtol=0, atol=1e-15)
+    for dtype, atol in ((torch.float64, 5e-15), (torch.float32, 0)):
+        c0, s0 = R._pairs(key, p, dtype)
+        c1, s1 = mod._pairs_poly(key, p, dtype)
+        torch.testing.assert_close(c1, c0, rtol=0, atol=atol)
+        torch.testing.assert_close(s1, s0, rtol=0, atol=atol)
+    flat = torch.stack(mod._pairs_poly(key, p, torch.float64), 1).reshape(-1)
+    j = torch.arange(3, 2 * 5000, dtype=torch.int64)
+    assert torch.equal(mod._normal_elementwise(key, j, torch.float64), flat[3:])
+    # compiled: the same to the last bits of float64 (vector log/sqrt), the same float32 values
+    compiled = torch.compile(mod._normal_elementwise, fullgraph=True)
+    torch.testing.assert_close(compiled(key, j, torch.float64), flat[3:], rtol=0, atol=1e-14)
+    assert torch.equal(compiled(key, j, torch.float32), flat[3:].float())
