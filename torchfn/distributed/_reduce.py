@@ -154,8 +154,21 @@ def all_gather_tree(tree: Mapping[str, Tensor], *,
 
 
 def _materialise(t: Tensor) -> Tensor:
-    """Return a plain tensor: eager collectives return lazily-waiting tensor subclasses."""
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+    """Return ``t``, the result of an eager functional collective, waited for: the collective's
+    work is released, and with it the buffers the backend keeps until the wait (NCCL's stashed
+    input, gloo's copy). Eagerly the result is a lazily-waiting ``AsyncCollectiveTensor``; under
+    a ``torch.func`` transform (the blocked steps' backward runs inside ``torch.func.grad``)
+    that subclass is hidden inside a functorch wrapper of plain type, so ``isinstance`` misses
+    it and ``wait_tensor`` is called on the wrapper (it reaches the inner tensor; a no-op when
+    nothing is pending). Without it, views of the result (``split``) keep the work pending
+    until their first compute op -- after the whole backward for reduce-scattered gradients,
+    one extra copy of them held meanwhile."""
+    if isinstance(t, funcol.AsyncCollectiveTensor):
+        return t.wait()
+    if (not torch.compiler.is_compiling() and not t.requires_grad
+            and torch._C._functorch.is_functorch_wrapped_tensor(t)):
+        return torch.ops._c10d_functional.wait_tensor(t)
+    return t
 
 
 def _in_place_ok(t: Tensor) -> bool:
