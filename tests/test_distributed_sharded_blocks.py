@@ -427,8 +427,10 @@ def test_cpu_peak_of_forward_backward_holds_one_gradient_not_two(world_of_one):
         live += e.nbytes()
         peak = max(peak, live)
     # gradient shards (all params at world 1) + the block in backward (its gradient, the
-    # packed reduce-scatter input and output, gloo's copy of it); un-waited it was ~p + 10 blocks
-    assert peak <= p_bytes + 5 * block, f"{peak / p_bytes:.2f}x the params"
+    # packed reduce-scatter input and output, gloo's copy of it): 1.40x alone, 1.65x seen inside
+    # the full suite (the profiler's memory events are process-wide); un-waited it was 2.28x.
+    # The exact check is the work registry above; this bound separates the two cases
+    assert peak <= p_bytes + 8 * block, f"{peak / p_bytes:.2f}x the params"
 
 
 @pytest.mark.gpu
