@@ -39,7 +39,9 @@ calls, then the median of ``--repeats`` synchronized repeats (``benchmarks/_benc
 repeats of at least 5 ms). Peak memory: torch's CUDA peak over the timed calls; JAX's
 ``peak_bytes_in_use`` of its process. ``--budget-s``: a config whose estimated compile no
 longer fits is not started, one still compiling when the time left is needed for timing is
-killed, and one not timed before the budget ends is not timed: each recorded as skipped.
+killed, and one not timed before the budget ends is not timed: each recorded as skipped. A
+first call that runs out of GPU memory beside the others compiling (their compiles and JAX's
+pools can fill the device together) is started once more when nothing else compiles.
 
 Writes ``--out`` JSON, ``--md`` (table: torchfn ms, JAX ms, JAX / torchfn, first call both
 sides, peak memory both sides) and ``--plot`` (ratio per config; needs matplotlib, else a
@@ -436,6 +438,10 @@ def child(args: argparse.Namespace) -> int:
         except ImportError as exc:  # optax, say
             emit("SKIP", {"reason": f"JAX side needs {exc.name or exc}: not installed"})
             return 0
+    fake_oom = os.environ.get("TORCHFN_SWEEP_TEST_OOM")  # tests: fail the first try once
+    if fake_oom and not (Path(fake_oom) / f"{family}_{name}_{side}").exists():
+        (Path(fake_oom) / f"{family}_{name}_{side}").touch()
+        raise RuntimeError("CUDA out of memory (simulated by TORCHFN_SWEEP_TEST_OOM)")
     first = prep.run()
     prep.wait()
     first_s = time.perf_counter() - t0
@@ -482,6 +488,7 @@ class Job:
         self.log: Path | None = None
         self.ready: dict[str, Any] | None = None
         self.record: dict[str, Any] | None = None  # RESULT, or {"skipped"/"error": ...}
+        self.retried = False  # an out-of-memory first call gets one more try, alone
 
     @property
     def key(self) -> str:
@@ -535,6 +542,7 @@ def orchestrate(args: argparse.Namespace, start: float) -> list[Job]:
     pending = sorted(jobs, key=lambda j: -j.est_s)
     running: list[Job] = []
     ready: list[Job] = []
+    retry: list[Job] = []  # out of memory in phase 1 beside others: started again once alone
 
     def elapsed() -> float:
         return time.perf_counter() - start
@@ -553,6 +561,18 @@ def orchestrate(args: argparse.Namespace, start: float) -> list[Job]:
             job.record = {"skipped": payload["reason"]}
         elif tag == "RESULT":
             job.record = payload
+        elif (tag == "EXIT" and job.record is None and job.ready is None and not job.retried
+              and job.log is not None and is_oom(job.log.read_text(errors="replace"))):
+            # the processes compiling beside it held the memory: try once more, alone
+            job.retried = True
+            running.remove(job)
+            for pipe in (job.proc.stdin, job.proc.stdout) if job.proc is not None else ():
+                with contextlib.suppress(OSError):
+                    pipe.close()  # type: ignore[union-attr]
+            retry.append(job)
+            print(f"[{elapsed():6.1f} s] out of memory beside others: {job.key} will be "
+                  "retried alone", flush=True)
+            return
         elif tag == "EXIT" and job.record is None:
             when = "after GO" if job.ready is not None else "before its first call finished"
             job.record = {"error": f"exit {payload} {when}: {job.error_tail()}"}
@@ -566,8 +586,11 @@ def orchestrate(args: argparse.Namespace, start: float) -> list[Job]:
 
     print(f"phase 1: build + first call (compile), up to {args.jobs} at once, "
           f"{len(jobs)} processes; logs in {logdir}", flush=True)
-    while pending or running:
-        while pending and len(running) < args.jobs:
+    while pending or running or retry:
+        if not pending and not running and retry:
+            pending.append(retry.pop(0))  # alone: nothing else is compiling now
+        while pending and len(running) < (args.jobs if not any(j.retried for j in pending)
+                                          else 1):
             job = pending.pop(0)
             left = args.budget_s - reserve() - args.reserve_per_job_s - elapsed()
             if job.est_s * (0.1 if args.small else 1.0) > left:
@@ -667,14 +690,27 @@ def add_ratio(row: dict[str, Any]) -> None:
 # --- reports --------------------------------------------------------------------------------
 
 
-def cell(rec: Any, key: str, fmt: str, scale: float = 1.0) -> str:
+def is_oom(text: str) -> bool:
+    """Whether a child's error output is a device out-of-memory error (torch's or XLA's; the
+    kept tail of torch's long message may have lost its first line)."""
+    low = text.lower()
+    return any(k in low for k in ("out of memory", "outofmemoryerror", "pytorch_cuda_alloc_conf",
+                                  "resource_exhausted"))
+
+
+def cell(rec: Any, key: str, fmt: str, scale: float = 1.0, why: bool = False) -> str:
+    """``rec[key]`` formatted; else, with ``why``, why it is missing (skipped or error, in
+    short: the JSON keeps the whole message), else ``-``."""
     if not isinstance(rec, dict):
         return "not run"
     if rec.get(key) is not None:
         return format(rec[key] * scale, fmt)
-    for k in ("skipped", "error"):
+    for k in ("skipped", "error") if why else ():
         if k in rec:
-            return f"{k}: {str(rec[k])[:80]}".replace("|", "/")
+            text = str(rec[k])
+            if k == "error" and is_oom(text):
+                text = "CUDA out of memory"
+            return f"{k}: {text[:80]}".replace("|", "/")
     return "-"
 
 
@@ -700,8 +736,8 @@ def markdown(result: dict[str, Any]) -> str:
         t, j = r.get("torchfn"), r.get("jax")
         ratio = f"**{r['ratio']:.2f}**" if r.get("ratio") is not None else "-"
         diff = f"{r['loss_rel_diff']:.1e}" if r.get("loss_rel_diff") is not None else "-"
-        out.append(f"| {r['family']} | {r['config']} | {cell(t, 'median_ms', '.3f')} | "
-                   f"{cell(j, 'median_ms', '.3f')} | {ratio} | "
+        out.append(f"| {r['family']} | {r['config']} | {cell(t, 'median_ms', '.3f', why=True)} "
+                   f"| {cell(j, 'median_ms', '.3f', why=True)} | {ratio} | "
                    f"{cell(t, 'first_call_s', '.1f')} / {cell(j, 'first_call_s', '.1f')} | "
                    f"{cell(t, 'peak_bytes', '.0f', 2**-20)} / "
                    f"{cell(j, 'peak_bytes', '.0f', 2**-20)} | {diff} |")

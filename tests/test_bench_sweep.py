@@ -82,3 +82,23 @@ def test_budget_too_small_skips_everything_and_merge(tmp_path: Path):
     text = merged.read_text()
     assert "| dp | mlp-b1024 | 2.000 | 3.000 | **1.50** | 1.0 / 1.0 | 1 / 2 |" in text
     assert "1 of 1 timed configs (4 selected)" in text
+
+
+def test_a_first_call_out_of_memory_is_retried_alone(tmp_path: Path, monkeypatch, capsys):
+    # on the GPU, configs compiling side by side can exhaust its memory together (seen: two
+    # MAML configs beside five processes holding 50 GiB); such a config gets one more try
+    # with nothing else compiling, instead of an error row
+    sweep = _load()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("TORCHFN_SWEEP_TEST_OOM", str(marks))
+    out = tmp_path / "o.json"
+    assert sweep.main(["--small", "--families", "dp", "--configs", "0,1", "--no-jax",
+                       "--jobs", "2", "--repeats", "2", "--warmup", "1",
+                       "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["torchfn"]["median_ms"] > 0 for r in res["rows"]] == [True, True], res["rows"]
+    assert sorted(p.name for p in marks.iterdir()) == ["dp_mlp-b1024_torchfn",
+                                                       "dp_mlp-b256_torchfn"]
+    printed = capsys.readouterr().out
+    assert printed.count("will be retried alone") == 2
