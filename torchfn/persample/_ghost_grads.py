@@ -118,13 +118,28 @@ class GhostGrads:
                                  f"layers {missing} (expected keys {heads}: one per clipping "
                                  "group, layers tied to an earlier one use its coefficient)")
         out: TensorDict = {}
+        # small per-sample parts (biases, norm scales): one `coef @ cat(parts)` GEMM per
+        # (clipping group, dtype, device) instead of one small GEMM each
+        small: dict[tuple[Any, ...], tuple[Tensor, list[tuple[str, Tensor]]]] = {}
         for name, layer in self._spec.items():
-            c = coef[self._group[name]] if isinstance(coef, Mapping) else coef
-            sums = self._layers[name].weighted_sum(c) if name in self._layers else {}
+            head = self._group[name] if isinstance(coef, Mapping) else None
+            c = coef[head] if head is not None else coef
+            sums, parts = (self._layers[name].weighted_sum_parts(c) if name in self._layers
+                           else ({}, {}))
             for loc, glob in layer.params.items():
                 p = self._params[glob]
+                if loc in parts:
+                    x = parts[loc]
+                    small.setdefault((head, x.dtype, x.device), (c, []))[1].append((glob, x))
+                    continue
                 s = sums[loc].to(p.dtype) if loc in sums else torch.zeros_like(p)
                 out[glob] = out[glob] + s if glob in out else s  # tied: sum of the uses
+        for c, items in small.values():
+            flat = [x.reshape(x.shape[0], -1) for _, x in items]
+            summed = c.to(flat[0].dtype) @ (torch.cat(flat, 1) if len(flat) > 1 else flat[0])
+            for (glob, x), s in zip(items, summed.split([f.shape[1] for f in flat])):
+                s = s.reshape(x.shape[1:]).to(self._params[glob].dtype)
+                out[glob] = out[glob] + s if glob in out else s
         for glob in self._frozen:
             out[glob] = torch.zeros_like(self._params[glob])
         return {k: out[k] for k in self._params}

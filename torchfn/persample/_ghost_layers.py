@@ -114,6 +114,13 @@ class Prepared:
     def materialize(self) -> TensorDict:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def weighted_sum_parts(self, coef: Tensor) -> tuple[TensorDict, TensorDict]:
+        """``weighted_sum`` in two parts: the sums already formed, and small per-sample
+        ``(B, ...)`` gradients (biases, norm scales) whose sums ``coef @ x`` are left to the
+        caller, which contracts those of all layers in one GEMM (one kernel instead of one per
+        parameter: in a transformer they are half its parameters by count)."""
+        return self.weighted_sum(coef), {}
+
     def expect_weighted_sum(self) -> None:
         """Hint: ``weighted_sum`` will follow ``sq_norms`` (book-keeping DP-SGD)."""
 
@@ -136,8 +143,19 @@ class Instantiated(Prepared):
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         return {k: torch.tensordot(_coef(coef, g), g, dims=1) for k, g in self.grads.items()}
 
+    def weighted_sum_parts(self, coef: Tensor) -> tuple[TensorDict, TensorDict]:
+        small = {k: g for k, g in self.grads.items() if g[0].numel() <= SMALL_PART}
+        return {k: torch.tensordot(_coef(coef, g), g, dims=1)
+                for k, g in self.grads.items() if k not in small}, small
+
     def materialize(self) -> TensorDict:
         return dict(self.grads)
+
+
+# per-sample gradients up to this many numbers per sample are contracted with the clipping
+# coefficients in one GEMM across layers (GhostGrads.weighted_sum); larger ones alone, so that
+# concatenating them costs little
+SMALL_PART = 1 << 16
 
 
 class _LinearLike(Prepared):
@@ -205,6 +223,17 @@ class _LinearLike(Prepared):
         return out + _sq_norm_dtype(linear_bias_grad_norms_sq(self.g)) if self.bias else out
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
+        out = self._weight_sum(coef)
+        if self.bias:
+            out["bias"] = clipped_linear_bias_grad_sum(self.g, _coef(coef, self.a))
+        return out
+
+    def weighted_sum_parts(self, coef: Tensor) -> tuple[TensorDict, TensorDict]:
+        if not self.bias:
+            return self._weight_sum(coef), {}
+        return self._weight_sum(coef), {"bias": self.g if self.g.dim() == 2 else self.g.sum(1)}
+
+    def _weight_sum(self, coef: Tensor) -> TensorDict:
         c = _coef(coef, self.a)
         if self._kept is not None:
             w = torch.tensordot(c, self._kept, dims=1)
@@ -215,10 +244,7 @@ class _LinearLike(Prepared):
             w = torch.einsum("btgo,btgk->gok", g * c[:, None, None, None], a)
         if self.transposed and (self._kept is not None or self.groups != 1):
             w = w.transpose(-1, -2)
-        out = {"weight": w.reshape(self.weight_shape)}
-        if self.bias:
-            out["bias"] = clipped_linear_bias_grad_sum(self.g, c)
-        return out
+        return {"weight": w.reshape(self.weight_shape)}
 
     def materialize(self) -> TensorDict:
         if self._kept is not None:
