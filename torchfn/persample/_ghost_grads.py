@@ -137,7 +137,7 @@ class GhostGrads:
         for c, items in small.values():
             flat = [x.reshape(x.shape[0], -1) for _, x in items]
             summed = c.to(flat[0].dtype) @ (torch.cat(flat, 1) if len(flat) > 1 else flat[0])
-            for (glob, x), s in zip(items, summed.split([f.shape[1] for f in flat])):
+            for (glob, x), s in zip(items, summed.split([f.shape[1] for f in flat]), strict=True):
                 s = s.reshape(x.shape[1:]).to(self._params[glob].dtype)
                 out[glob] = out[glob] + s if glob in out else s
         for glob in self._frozen:
