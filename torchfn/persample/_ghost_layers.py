@@ -42,10 +42,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from torchfn.ops import (
-    clipped_linear_bias_grad_sum,
     clipped_linear_grad_sum,
     gram_is_cheaper,
-    linear_bias_grad_norms_sq,
     linear_grad_norms_sq,
 )
 
@@ -179,6 +177,7 @@ class _LinearLike(Prepared):
         self.groups, self.weight_shape, self.bias = groups, weight_shape, bias
         self.transposed = transposed  # weight stored as (d_in, d_out) (HF's Conv1D); groups 1
         self._kept: Tensor | None = None  # (B, d_out, d_in) once materialised by sq_norms
+        self._bias_grads: Tensor | None = None  # (B, d_out): sum_t g_it, for norm and sum
         self._bookkeeping = False
 
     def expect_weighted_sum(self) -> None:
@@ -211,7 +210,7 @@ class _LinearLike(Prepared):
             if self._kept is None:
                 self._kept = torch.bmm(self.g.transpose(1, 2), self.a)  # (B, d_out, d_in)
             out = _sq_norm_dtype(self._kept).square().sum((1, 2))
-            return out + _sq_norm_dtype(linear_bias_grad_norms_sq(self.g)) if self.bias else out
+            return out + self._bias_sq_norms() if self.bias else out
         if self.groups == 1:
             return _sq_norm_dtype(linear_grad_norms_sq(self.a, self.g, bias=self.bias))
         a, g = self._grouped()
@@ -220,18 +219,27 @@ class _LinearLike(Prepared):
         g_f = rearrange(g, "b t n o -> (b n) t o")
         out = rearrange(_sq_norm_dtype(linear_grad_norms_sq(a_f, g_f)), "(b n) -> b n",
                         b=b).sum(1)
-        return out + _sq_norm_dtype(linear_bias_grad_norms_sq(self.g)) if self.bias else out
+        return out + self._bias_sq_norms() if self.bias else out
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
         out = self._weight_sum(coef)
         if self.bias:
-            out["bias"] = clipped_linear_bias_grad_sum(self.g, _coef(coef, self.a))
+            out["bias"] = _coef(coef, self.a) @ self._per_sample_bias()
         return out
 
     def weighted_sum_parts(self, coef: Tensor) -> tuple[TensorDict, TensorDict]:
         if not self.bias:
             return self._weight_sum(coef), {}
-        return self._weight_sum(coef), {"bias": self.g if self.g.dim() == 2 else self.g.sum(1)}
+        return self._weight_sum(coef), {"bias": self._per_sample_bias()}
+
+    def _per_sample_bias(self) -> Tensor:
+        """``(B, d_out)`` per-sample bias gradients, formed once for the norms and the sum."""
+        if self._bias_grads is None:
+            self._bias_grads = self.g if self.g.dim() == 2 else self.g.sum(1)
+        return self._bias_grads
+
+    def _bias_sq_norms(self) -> Tensor:
+        return _sq_norm_dtype(self._per_sample_bias()).square().sum(1)
 
     def _weight_sum(self, coef: Tensor) -> TensorDict:
         c = _coef(coef, self.a)
@@ -256,7 +264,7 @@ class _LinearLike(Prepared):
             w = w.reshape(w.shape[0], -1, w.shape[-1]).transpose(-1, -2)
         out = {"weight": w.reshape(w.shape[0], *self.weight_shape)}
         if self.bias:
-            out["bias"] = self.g.sum(1) if self.g.dim() == 3 else self.g
+            out["bias"] = self._per_sample_bias()
         return out
 
 
