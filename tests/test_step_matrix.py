@@ -319,6 +319,37 @@ def test_torchopt_list_state_over_all_params_with_a_frozen_same_shape_layer(kind
             torch.testing.assert_close(got.params[k], want.params[k], rtol=1e-13, atol=1e-15)
 
 
+def test_torchopt_list_state_check_is_cached_for_eager_steps() -> None:
+    """The eager step checks a list state against ``optimizer.init`` on meta tensors once per
+    (optimizer, state layout, trainable set, param shapes), not every call; a state of another
+    layout is still checked (and refused)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(torch.float64)
+    net[1].requires_grad_(False)
+    base = torchopt.sgd(0.1, momentum=0.9)
+    inits = []
+
+    def counting_init(params):
+        inits.append(len(params))
+        return base.init(params)
+
+    opt = torchopt.base.GradientTransformation(counting_init, base.update)
+    model_fn, params, buffers = make_functional(net)
+    step = make_train_step(model_fn, F.mse_loss, opt)
+    full = init_train_state(params, buffers, base, seed=0)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    state, _ = step(full, (x, y))
+    first = list(inits)
+    assert first == [2, 4]  # trainable set, then all params: the state covers all
+    for _ in range(3):
+        state, _ = step(state, (x, y))
+    assert inits == first
+    other = init_train_state(params, buffers, base, seed=0, trainable=["0.weight"])
+    with pytest.raises(ValueError, match=r"opt_state is not optimizer.init of those params"):
+        step(other, (x, y))
+    assert len(inits) == len(first) + 2
+
+
 # -- ensemble -----------------------------------------------------------------------------------
 
 N = 2

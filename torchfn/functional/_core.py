@@ -349,6 +349,12 @@ def _opt_state_key_sets(opt_state: Any) -> set[frozenset[str]]:
     return found
 
 
+# id(optimizer) -> (optimizer, {(state layout, trainable names, param shapes): covers all}):
+# the eager answers of _flat_state_covers_all (the optimizer is kept, so its id is not reused
+# while cached; at most 16 optimizers, the oldest dropped first)
+_COVERS_CACHE: dict[int, tuple[Any, dict[Any, bool]]] = {}
+
+
 def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
                            params: Mapping[str, Tensor], names: tuple[str, ...],
                            where: str) -> bool:
@@ -363,10 +369,27 @@ def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
         return optimizer.init({k: torch.empty_like(params[k], device="meta") for k in keys})
 
     got = layout(opt_state)
+    eager = not torch.compiler.is_compiling()
+    if eager:  # an eager step asks every call: answer from the cache, no meta init
+        key = (got[0], tuple(got[1]), names,
+               tuple((k, tuple(v.shape), v.dtype) for k, v in params.items()))
+        hit = _COVERS_CACHE.get(id(optimizer))
+        if hit is not None and hit[0] is optimizer and key in hit[1]:
+            return hit[1][key]
+    answer = None
     if got == layout(meta_init(names)):
-        return False
-    if len(names) < len(params) and got == layout(meta_init(list(params))):
-        return True
+        answer = False
+    elif len(names) < len(params) and got == layout(meta_init(list(params))):
+        answer = True
+    if answer is not None:
+        if eager:
+            if len(_COVERS_CACHE) >= 16 and id(optimizer) not in _COVERS_CACHE:
+                _COVERS_CACHE.pop(next(iter(_COVERS_CACHE)))
+            entry = _COVERS_CACHE.setdefault(id(optimizer), (optimizer, {}))
+            if entry[0] is not optimizer:  # an id reused by a new optimizer
+                entry = _COVERS_CACHE[id(optimizer)] = (optimizer, {})
+            entry[1][key] = answer
+        return answer
     frozen = sorted(set(params) - set(names))
     raise ValueError(
         f"{where}: the optimizer state does not match the trainable params. The step trains "
