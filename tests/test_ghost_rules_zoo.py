@@ -641,3 +641,37 @@ def test_small_parts_of_all_layers_are_summed_in_one_gemm(per_layer: bool, monke
     # flat: the four biases and the 6-wide LayerNorm's weight and bias in one GEMM; per layer:
     # one per layer that has small parts (0, 1, 3, 7; the 7-wide LayerNorm's are too large)
     assert small_gemms == (4 if per_layer else 1), small_gemms
+
+
+def test_small_parts_of_attention_layers_join_the_one_gemm() -> None:
+    """``nn.TransformerEncoderLayer``: the attention's in/out projection biases join the
+    feed-forward biases and LayerNorm parameters in the one small-parts GEMM; the clipped sum
+    equals the loop reference (float64), eager and compiled."""
+    import operator
+
+    torch.manual_seed(0)
+    net = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).to(F64)
+    ghost, params, buffers = make_ghost_model(net)
+    assert "attention" in ghost.layer_kinds.values()
+    x, y = torch.randn(B, 5, 8, dtype=F64), torch.randn(B, 5, 8, dtype=F64)
+    ref = loop_grads(ghost, params, buffers, x, y, sq_loss)
+    coef = torch.rand(B, dtype=F64) + 0.1
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(params, buffers, x, y, coef):
+        return ghost.per_sample(params, buffers, x, y, sq_loss).grads.weighted_sum(coef)
+
+    eager = step(params, buffers, x, y, coef)
+    compiled = torch.compile(step, fullgraph=True, backend=capture)(params, buffers, x, y, coef)
+    for k in params:
+        for got in (eager[k], compiled[k]):
+            torch.testing.assert_close(got, torch.tensordot(coef, ref[k], dims=1), **TOL, msg=k)
+    (gm,) = graphs
+    small = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target in (torch.matmul, operator.matmul)
+             and n.args[0].meta["example_value"].dim() == 1]
+    assert len(small) == 1, len(small)

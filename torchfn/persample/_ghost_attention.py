@@ -125,6 +125,16 @@ class _Blocks(Prepared):
         return self._merge([p.weighted_sum(coef) for p in self.blocks],
                            self.out.weighted_sum(coef), 0)
 
+    def weighted_sum_parts(self, coef: Tensor) -> tuple[TensorDict, TensorDict]:
+        sums = {"in_proj_weight": torch.cat([p.weight_sum(coef) for p in self.blocks], 0),
+                "out_proj.weight": self.out.weight_sum(coef)}
+        parts = {}
+        if self.bias:
+            parts["in_proj_bias"] = torch.cat([p.per_sample_bias() for p in self.blocks], 1)
+        if self.out.bias:
+            parts["out_proj.bias"] = self.out.per_sample_bias()
+        return sums, parts
+
     def materialize(self) -> TensorDict:
         return self._merge([p.materialize() for p in self.blocks], self.out.materialize(), 1)
 

@@ -222,26 +222,26 @@ class _LinearLike(Prepared):
         return out + self._bias_sq_norms() if self.bias else out
 
     def weighted_sum(self, coef: Tensor) -> TensorDict:
-        out = self._weight_sum(coef)
+        out = {"weight": self.weight_sum(coef)}
         if self.bias:
-            out["bias"] = _coef(coef, self.a) @ self._per_sample_bias()
+            out["bias"] = _coef(coef, self.a) @ self.per_sample_bias()
         return out
 
     def weighted_sum_parts(self, coef: Tensor) -> tuple[TensorDict, TensorDict]:
-        if not self.bias:
-            return self._weight_sum(coef), {}
-        return self._weight_sum(coef), {"bias": self._per_sample_bias()}
+        weight = {"weight": self.weight_sum(coef)}
+        return (weight, {"bias": self.per_sample_bias()}) if self.bias else (weight, {})
 
-    def _per_sample_bias(self) -> Tensor:
+    def per_sample_bias(self) -> Tensor:
         """``(B, d_out)`` per-sample bias gradients, formed once for the norms and the sum."""
         if self._bias_grads is None:
             self._bias_grads = self.g if self.g.dim() == 2 else self.g.sum(1)
         return self._bias_grads
 
     def _bias_sq_norms(self) -> Tensor:
-        return _sq_norm_dtype(self._per_sample_bias()).square().sum(1)
+        return _sq_norm_dtype(self.per_sample_bias()).square().sum(1)
 
-    def _weight_sum(self, coef: Tensor) -> TensorDict:
+    def weight_sum(self, coef: Tensor) -> Tensor:
+        """``sum_i coef_i G_i``, shaped like the weight."""
         c = _coef(coef, self.a)
         if self._kept is not None:
             w = torch.tensordot(c, self._kept, dims=1)
@@ -252,7 +252,7 @@ class _LinearLike(Prepared):
             w = torch.einsum("btgo,btgk->gok", g * c[:, None, None, None], a)
         if self.transposed and (self._kept is not None or self.groups != 1):
             w = w.transpose(-1, -2)
-        return {"weight": w.reshape(self.weight_shape)}
+        return w.reshape(self.weight_shape)
 
     def materialize(self) -> TensorDict:
         if self._kept is not None:
@@ -264,7 +264,7 @@ class _LinearLike(Prepared):
             w = w.reshape(w.shape[0], -1, w.shape[-1]).transpose(-1, -2)
         out = {"weight": w.reshape(w.shape[0], *self.weight_shape)}
         if self.bias:
-            out["bias"] = self._per_sample_bias()
+            out["bias"] = self.per_sample_bias()
         return out
 
 
