@@ -589,24 +589,14 @@ def test_llama_tied_embeddings_and_rmsnorm() -> None:
     assert kinds["lm.model.layers.0.self_attn.q_proj"] == "linear"
 
 
-@pytest.mark.parametrize("per_layer", [False, True])
-def test_small_parts_of_all_layers_are_summed_in_one_gemm(per_layer: bool, monkeypatch) -> None:
-    """Biases and LayerNorm parameters (small per-sample gradients) of every layer are
-    contracted with the clipping coefficients in one ``coef @ cat(parts)`` GEMM per clipping
-    group instead of one small GEMM each (one kernel launch instead of dozens in a
-    transformer); parts above ``SMALL_PART`` numbers per sample stay on their own. Eager and
-    compiled equal the weighted sum of the loop's per-sample gradients (float64)."""
+def _weighted_sums_and_small_gemms(net: nn.Module, x: Tensor, y: Tensor, per_layer: bool
+                                   ) -> tuple[int, dict[str, Tensor]]:
+    """Check ghost ``weighted_sum`` of ``net`` (eager and compiled) against the loop reference
+    with random flat or per-layer coefficients; return the number of ``coef @ x`` GEMMs (1-D
+    left operand) in the compiled graph and the layer kinds."""
     import operator
 
-    from torchfn.persample import _ghost_layers
-
-    monkeypatch.setattr(_ghost_layers, "SMALL_PART", 6)  # the 7-wide LayerNorm stays alone
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 7),
-                        nn.LayerNorm(7), nn.Tanh(), nn.Linear(7, 2, bias=False),
-                        nn.Linear(2, 3)).to(F64)
     ghost, params, buffers = make_ghost_model(net)
-    x, y = torch.randn(B, 5, 3, dtype=F64), torch.randn(B, 5, 3, dtype=F64)
     ref = loop_grads(ghost, params, buffers, x, y, sq_loss)
     if per_layer:
         coef = {n: torch.rand(B, dtype=F64) + 0.1 for n in ghost.layer_names}
@@ -624,20 +614,32 @@ def test_small_parts_of_all_layers_are_summed_in_one_gemm(per_layer: bool, monke
     eager = step(params, buffers, x, y, coef)
     compiled = torch.compile(step, fullgraph=True, backend=capture)(params, buffers, x, y, coef)
     for k in params:
-        layer = k.rsplit(".", 1)[0]
-        c = coef[layer] if per_layer else coef
-        expect = torch.tensordot(c, ref[k], dims=1)
+        c = coef[k.rsplit(".", 1)[0]] if per_layer else coef
         for got in (eager[k], compiled[k]):
-            torch.testing.assert_close(got, expect, **TOL, msg=k)
-
-    def lhs_is_coef(node) -> bool:
-        if node.op != "call_function" or node.target not in (torch.matmul, operator.matmul):
-            return False
-        lhs = node.args[0]
-        return lhs.meta["example_value"].dim() == 1
-
+            torch.testing.assert_close(got, torch.tensordot(c, ref[k], dims=1), **TOL, msg=k)
     (gm,) = graphs
-    small_gemms = sum(lhs_is_coef(n) for n in gm.graph.nodes)
+    small = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target in (torch.matmul, operator.matmul)
+             and n.args[0].meta["example_value"].dim() == 1]
+    return len(small), ghost.layer_kinds
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_small_parts_of_all_layers_are_summed_in_one_gemm(per_layer: bool, monkeypatch) -> None:
+    """Biases and LayerNorm parameters (small per-sample gradients) of every layer are
+    contracted with the clipping coefficients in one ``coef @ cat(parts)`` GEMM per clipping
+    group instead of one small GEMM each (one kernel launch instead of dozens in a
+    transformer); parts above ``SMALL_PART`` numbers per sample stay on their own. Eager and
+    compiled equal the weighted sum of the loop's per-sample gradients (float64)."""
+    from torchfn.persample import _ghost_layers
+
+    monkeypatch.setattr(_ghost_layers, "SMALL_PART", 6)  # the 7-wide LayerNorm stays alone
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 7),
+                        nn.LayerNorm(7), nn.Tanh(), nn.Linear(7, 2, bias=False),
+                        nn.Linear(2, 3)).to(F64)
+    x, y = torch.randn(B, 5, 3, dtype=F64), torch.randn(B, 5, 3, dtype=F64)
+    small_gemms, _ = _weighted_sums_and_small_gemms(net, x, y, per_layer)
     # flat: the four biases and the 6-wide LayerNorm's weight and bias in one GEMM; per layer:
     # one per layer that has small parts (0, 1, 3, 7; the 7-wide LayerNorm's are too large)
     assert small_gemms == (4 if per_layer else 1), small_gemms
@@ -647,31 +649,9 @@ def test_small_parts_of_attention_layers_join_the_one_gemm() -> None:
     """``nn.TransformerEncoderLayer``: the attention's in/out projection biases join the
     feed-forward biases and LayerNorm parameters in the one small-parts GEMM; the clipped sum
     equals the loop reference (float64), eager and compiled."""
-    import operator
-
     torch.manual_seed(0)
     net = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).to(F64)
-    ghost, params, buffers = make_ghost_model(net)
-    assert "attention" in ghost.layer_kinds.values()
     x, y = torch.randn(B, 5, 8, dtype=F64), torch.randn(B, 5, 8, dtype=F64)
-    ref = loop_grads(ghost, params, buffers, x, y, sq_loss)
-    coef = torch.rand(B, dtype=F64) + 0.1
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    def step(params, buffers, x, y, coef):
-        return ghost.per_sample(params, buffers, x, y, sq_loss).grads.weighted_sum(coef)
-
-    eager = step(params, buffers, x, y, coef)
-    compiled = torch.compile(step, fullgraph=True, backend=capture)(params, buffers, x, y, coef)
-    for k in params:
-        for got in (eager[k], compiled[k]):
-            torch.testing.assert_close(got, torch.tensordot(coef, ref[k], dims=1), **TOL, msg=k)
-    (gm,) = graphs
-    small = [n for n in gm.graph.nodes if n.op == "call_function"
-             and n.target in (torch.matmul, operator.matmul)
-             and n.args[0].meta["example_value"].dim() == 1]
-    assert len(small) == 1, len(small)
+    small_gemms, kinds = _weighted_sums_and_small_gemms(net, x, y, per_layer=False)
+    assert "attention" in kinds.values()
+    assert small_gemms == 1, small_gemms
