@@ -23,6 +23,7 @@ Randomness (the dropout row) is compared exactly, not statistically:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable
@@ -550,9 +551,19 @@ def test_zoo_dp_step_compiled_equals_eager_with_noise(name: str) -> None:
                               sample_rate=0.25, dataset_size=20)
     eager = compiled = init_dp_state(params, buffers, opt, seed=3, trainable=ghost.trainable)
     fn = torch.compile(step, fullgraph=True)
-    for _ in range(2):
-        eager, m_e = step(eager, (x, y), valid)
-        compiled, m_c = fn(compiled, (x, y), valid)
+    # torch 2.11's Inductor fails the CPU flash-attention backward in float64 (the forward's
+    # log-sum-exp kept as float32; docs/models.md): the math kernel there, both sides, with
+    # the compile caches off (their keys miss the attention backend: a graph cached by a run
+    # with flash attention would come back)
+    old_torch = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    with contextlib.ExitStack() as stack:
+        if old_torch:
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+            stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+            stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+        for _ in range(2):
+            eager, m_e = step(eager, (x, y), valid)
+            compiled, m_c = fn(compiled, (x, y), valid)
     for k in params:
         _close(compiled.params[k], eager.params[k], f"{name}: compiled DP param {k}")
     for k in m_e:
