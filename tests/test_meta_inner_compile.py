@@ -229,7 +229,11 @@ def test_inner_compiled_unfolded_convs_with_inductor_equal_eager():
     x = [torch.randn(4, n, 1, 16, 16, generator=g, dtype=DT) for n in (5, 15)]
     y = [torch.arange(5).repeat_interleave(k).expand(4, -1).contiguous() for k in (1, 3)]
     tasks = Task(x[0], y[0], x[1], y[1])
-    g_c, loss_c, _ = step.meta_grad(params, buffers, tasks)
+    # torch 2.11's C++ codegen fails to build the vectorised bounds check of an indirect index
+    # here (VecMask from an int; docs/design.md): its documented switch off on that torch
+    old_torch = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    with torch._inductor.config.patch(assert_indirect_indexing=not old_torch):
+        g_c, loss_c, _ = step.meta_grad(params, buffers, tasks)
     g_e, loss_e, _ = learner.meta_grad(params, buffers, tasks)
     _close(g_c, g_e)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-12, atol=1e-14)
