@@ -589,8 +589,7 @@ def orchestrate(args: argparse.Namespace, start: float) -> list[Job]:
     while pending or running or retry:
         if not pending and not running and retry:
             pending.append(retry.pop(0))  # alone: nothing else is compiling now
-        while pending and len(running) < (args.jobs if not any(j.retried for j in pending)
-                                          else 1):
+        while pending and len(running) < args.jobs:
             job = pending.pop(0)
             left = args.budget_s - reserve() - args.reserve_per_job_s - elapsed()
             if job.est_s * (0.1 if args.small else 1.0) > left:

@@ -231,7 +231,7 @@ def test_inner_compiled_unfolded_convs_with_inductor_equal_eager():
     tasks = Task(x[0], y[0], x[1], y[1])
     # torch 2.11's C++ codegen fails to build the vectorised bounds check of an indirect index
     # here (VecMask from an int; docs/design.md): its documented switch off on that torch
-    old_torch = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    old_torch = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
     with torch._inductor.config.patch(assert_indirect_indexing=not old_torch):
         g_c, loss_c, _ = step.meta_grad(params, buffers, tasks)
     g_e, loss_e, _ = learner.meta_grad(params, buffers, tasks)

@@ -555,7 +555,7 @@ def test_zoo_dp_step_compiled_equals_eager_with_noise(name: str) -> None:
     # log-sum-exp kept as float32; docs/models.md): the math kernel there, both sides, with
     # the compile caches off (their keys miss the attention backend: a graph cached by a run
     # with flash attention would come back)
-    old_torch = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    old_torch = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
     with contextlib.ExitStack() as stack:
         if old_torch:
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))

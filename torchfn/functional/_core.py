@@ -350,8 +350,8 @@ def _opt_state_key_sets(opt_state: Any) -> set[frozenset[str]]:
 
 
 # id(optimizer) -> (optimizer, {(state layout, trainable names, param shapes): covers all}):
-# the eager answers of _flat_state_covers_all (the optimizer is kept, so its id is not reused
-# while cached; at most 16 optimizers, the oldest dropped first)
+# the eager answers of _flat_state_covers_all (the optimizer is kept alive by its entry, so
+# its id names no other object while cached; at most 16 optimizers, the oldest dropped first)
 _COVERS_CACHE: dict[int, tuple[Any, dict[Any, bool]]] = {}
 
 
@@ -374,7 +374,7 @@ def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
         key = (got[0], tuple(got[1]), names,
                tuple((k, tuple(v.shape), v.dtype) for k, v in params.items()))
         hit = _COVERS_CACHE.get(id(optimizer))
-        if hit is not None and hit[0] is optimizer and key in hit[1]:
+        if hit is not None and key in hit[1]:
             return hit[1][key]
     answer = None
     if got == layout(meta_init(names)):
@@ -385,10 +385,7 @@ def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
         if eager:
             if len(_COVERS_CACHE) >= 16 and id(optimizer) not in _COVERS_CACHE:
                 _COVERS_CACHE.pop(next(iter(_COVERS_CACHE)))
-            entry = _COVERS_CACHE.setdefault(id(optimizer), (optimizer, {}))
-            if entry[0] is not optimizer:  # an id reused by a new optimizer
-                entry = _COVERS_CACHE[id(optimizer)] = (optimizer, {})
-            entry[1][key] = answer
+            _COVERS_CACHE.setdefault(id(optimizer), (optimizer, {}))[1][key] = answer
         return answer
     frozen = sorted(set(params) - set(names))
     raise ValueError(
