@@ -46,6 +46,7 @@ from torchfn.ops import (
     gram_is_cheaper,
     linear_grad_norms_sq,
 )
+from torchfn.ops._gram_triton import fused_gram_norms_sq
 
 __all__: list[str] = []  # private: used by torchfn.persample._ghost_norms
 
@@ -212,6 +213,9 @@ class _LinearLike(Prepared):
             out = _sq_norm_dtype(self._kept).square().sum((1, 2))
             return out + self._bias_sq_norms() if self.bias else out
         if self.groups == 1:
+            fused = fused_gram_norms_sq(self.a, self.g, self.bias)  # None unless CUDA half 3-D
+            if fused is not None:
+                return fused
             return _sq_norm_dtype(linear_grad_norms_sq(self.a, self.g, bias=self.bias))
         a, g = self._grouped()
         b = a.shape[0]

@@ -1,0 +1,156 @@
+"""The fused ghost Gram-norm kernel (torchfn/ops/_gram_triton.py) against float64.
+
+On the CPU: it declines (returns None) wherever it does not apply, and -- when Triton is
+installed -- its arithmetic runs in Triton's interpreter against float64. On CUDA (``-m gpu``):
+bf16/fp16 inputs of awkward shapes and strides, with and without the bias term, eager,
+compiled and vmapped, and inside ghost norms of a model against an autograd loop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from torchfn.ops import _gram_triton
+from torchfn.persample import make_ghost_model
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here")
+needs_triton_op = pytest.mark.skipif(
+    not CUDA or _gram_triton.triton is None or not hasattr(torch.library, "triton_op"),
+    reason="needs CUDA, Triton and torch.library.triton_op")
+
+
+def reference64(a: Tensor, g: Tensor, bias: bool) -> Tensor:
+    a, g = a.double(), g.double()
+    out = ((a @ a.mT) * (g @ g.mT)).sum((1, 2))
+    return out + g.sum(1).square().sum(1) if bias else out
+
+
+def test_declines_where_it_does_not_apply(monkeypatch) -> None:
+    a, g = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
+    assert _gram_triton.fused_gram_norms_sq(a, g) is None  # CPU
+    assert _gram_triton.fused_gram_norms_sq(a.half(), g.half()) is None  # CPU half
+    if CUDA:
+        c = dict(device="cuda", dtype=torch.bfloat16)
+        assert _gram_triton.fused_gram_norms_sq(torch.ones(2, 3, **c), torch.ones(2, 4, **c)) \
+            is None  # 2-D: the closed form elsewhere
+        assert _gram_triton.fused_gram_norms_sq(a.cuda(), g.cuda()) is None  # float32
+        ar = a.to(**c).requires_grad_()
+        assert _gram_triton.fused_gram_norms_sq(ar, g.to(**c)) is None  # autograd records
+        monkeypatch.setenv("TORCHFN_OPS", "reference")
+        assert _gram_triton.fused_gram_norms_sq(a.to(**c), g.to(**c)) is None
+
+
+def test_config_fits_short_sequences() -> None:
+    assert _gram_triton.gram_norms_config(16, 100)["BT"] == 32
+    assert _gram_triton.gram_norms_config(256, 3072)["BT"] == 64
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Triton is not installed (CPU-only torch); the GPU tests cover it")
+def test_kernel_arithmetic_in_the_triton_interpreter() -> None:
+    """The kernel's tiles, masks, symmetry weights and bias term, run by Triton's interpreter
+    on the CPU (float16 and float32: the interpreter has no bfloat16), against float64."""
+    code = textwrap.dedent("""
+        import torch
+        from torchfn.ops import _gram_triton as m
+        torch.manual_seed(0)
+        cases = [(2, 40, 24, 72, 32, torch.float32, False, False),
+                 (3, 70, 100, 36, 64, torch.float32, True, True),
+                 (1, 197, 64, 64, 64, torch.float16, True, False),
+                 (2, 9, 5, 7, 32, torch.float16, False, True)]
+        for b, t, da, dg, bt, dtype, bias, strided in cases:
+            a, g = torch.randn(b, t, da).to(dtype), torch.randn(b, t, dg).to(dtype)
+            if strided:
+                a = a.transpose(0, 1).contiguous().transpose(0, 1)
+            cfg = {"BT": bt, "BK": 32, "num_warps": 4, "num_stages": 2}
+            out = m._launch(a, g, bias, cfg, m._direct)
+            a64, g64 = a.double(), g.double()
+            ref = ((a64 @ a64.mT) * (g64 @ g64.mT)).sum((1, 2))
+            if bias:
+                ref = ref + g64.sum(1).square().sum(1)
+            err = ((out.double() - ref).abs() / ref.abs()).max().item()
+            assert out.dtype == torch.float32 and out.shape == (b,), (out.dtype, out.shape)
+            assert err < 1e-5, (b, t, da, dg, dtype, bias, err)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@needs_triton_op
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(3, 197, 100, 36), (8, 256, 768, 2304), (2, 5, 64, 48),
+                                   (4, 33, 3072, 768)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_equals_float64(dtype, shape, bias) -> None:
+    b, t, d_in, d_out = shape
+    gen = torch.Generator("cuda").manual_seed(1)
+    a = torch.randn(t, b, d_in, device="cuda", generator=gen).to(dtype).transpose(0, 1)
+    g = torch.randn(b, t, d_out, device="cuda", generator=gen).to(dtype)
+    out = _gram_triton.fused_gram_norms_sq(a, g, bias)
+    assert out is not None and out.dtype == torch.float32 and out.shape == (b,)
+    torch.testing.assert_close(out.double(), reference64(a, g, bias), rtol=2e-5, atol=0)
+
+
+@pytest.mark.gpu
+@needs_triton_op
+def test_cuda_compiled_and_vmapped_equal_eager() -> None:
+    gen = torch.Generator("cuda").manual_seed(2)
+    a = torch.randn(3, 4, 70, 96, device="cuda", generator=gen).bfloat16()
+    g = torch.randn(3, 4, 70, 40, device="cuda", generator=gen).bfloat16()
+    eager = torch.stack([_gram_triton.fused_gram_norms_sq(a[i], g[i], True) for i in range(3)])
+    compiled = torch.compile(_gram_triton.fused_gram_norms_sq, fullgraph=True)
+    torch.testing.assert_close(torch.stack([compiled(a[i], g[i], True) for i in range(3)]),
+                               eager, rtol=1e-6, atol=0)
+    vmapped = torch.func.vmap(lambda x, y: _gram_triton.fused_gram_norms_sq(x, y, True))(a, g)
+    torch.testing.assert_close(vmapped, eager, rtol=1e-6, atol=0)
+    torch.testing.assert_close(eager.double(), torch.stack(
+        [reference64(a[i], g[i], True) for i in range(3)]), rtol=2e-5, atol=0)
+
+
+@pytest.mark.gpu
+@needs_triton_op
+def test_cuda_ghost_norms_use_the_kernel_and_match_a_loop(monkeypatch) -> None:
+    """A bf16 sequence model's ghost norms go through the kernel and equal a per-sample
+    autograd loop (norms in float64 of the loop's bf16 gradients)."""
+    import torchfn.persample._ghost_layers as layers
+
+    calls = []
+
+    def counting(a, g, bias=False):
+        out = _gram_triton.fused_gram_norms_sq(a, g, bias)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layers, "fused_gram_norms_sq", counting)
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 40, bias=False))
+    net = net.to("cuda", torch.bfloat16)
+    ghost, params, buffers = make_ghost_model(net)
+    x = torch.randn(6, 20, 48, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(6, 20, 40, device="cuda", dtype=torch.bfloat16)
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        return ((out.float() - target.float()) ** 2).flatten(1).sum(1)
+
+    norms = ghost.per_sample(params, buffers, x, y, loss_fn).grads.sq_norms()
+    assert calls == [True, True]
+    ref = []
+    for i in range(x.shape[0]):
+        p = {k: v.clone().requires_grad_() for k, v in params.items()}
+        loss = loss_fn(ghost(p, buffers, x[i:i + 1])[0], y[i:i + 1]).sum()
+        ref.append(sum(gr.double().square().sum() for gr in torch.autograd.grad(
+            loss, list(p.values()))))
+    torch.testing.assert_close(norms.double(), torch.stack(ref), rtol=3e-2, atol=0)

@@ -1,0 +1,165 @@
+"""Fused ghost Gram norms on CUDA: ``<a_i a_i^T, g_i g_i^T>`` per sample in one Triton kernel.
+
+For a linear layer fed a sequence (``a (B, T, d_in)``, output gradients ``g (B, T, d_out)``) the
+squared norm of sample ``i``'s weight gradient is ``<a_i a_i^T, g_i g_i^T>`` (the Gram form of
+:func:`torchfn.ops.linear_grad_norms_sq`), and its bias gradient's is the sum of all entries
+of ``g_i g_i^T``. Done in plain torch ops this is two batched ``(B, T, T)`` GEMMs written to
+memory and a reduction that reads both back. For the short sequences of DP fine-tuning
+(``T`` a few hundred) each GEMM is one partial wave of small tiles, so a step over many layers
+is launch- and latency-bound.
+
+The kernel here computes, per sample and per ``(BT, BT)`` tile pair ``(ti, tj)`` with
+``ti <= tj``, the tile of both Gram matrices in registers (float32 accumulation of the
+tensor-core products), multiplies them and reduces the tile to one number, doubled off the
+diagonal (both Gram matrices are symmetric): half the multiply-adds of the plain form, no
+``(B, T, T)`` tensor in memory, one launch per layer. The ``(B, NT * NT)`` tile partials are
+summed afterwards (a fixed order: the result is deterministic).
+
+It is registered as the custom op ``torchfn::ghost_gram_norms_sq`` through
+``torch.library.triton_op`` so ``torch.compile`` sees the kernel (no graph break) and
+``torch.func.vmap`` folds a vmapped dim into the batch. It has no derivative: callers use it
+only where the norms are not differentiated (the DP step's clipping coefficients), through
+:func:`fused_gram_norms_sq`, which returns None wherever it does not apply (no Triton, torch
+without ``triton_op``, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
+``TORCHFN_OPS=reference``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchfn.ops import _build
+
+__all__ = ["fused_gram_norms_sq", "gram_norms_config"]
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None  # type: ignore[assignment]
+
+_HALF = (torch.float16, torch.bfloat16)
+_OP = "torchfn::ghost_gram_norms_sq"
+
+
+def gram_norms_config(time: int, width: int) -> dict[str, int]:
+    """Return the kernel's tile sizes and launch settings for ``T = time``, ``d_in + d_out =
+    width``: ``BT`` (Gram tile side), ``BK`` (contraction step), ``num_warps``, ``num_stages``.
+
+    Example:
+        >>> sorted(gram_norms_config(256, 3072))
+        ['BK', 'BT', 'num_stages', 'num_warps']
+    """
+    del width  # the contraction length does not change the choice (yet)
+    bt = 64 if time > 32 else 32
+    return {"BT": bt, "BK": 64, "num_warps": 4, "num_stages": 3}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gram_norms_kernel(a_ptr, g_ptr, part_ptr, T, DA, DG,
+                           s_ab, s_at, s_ad, s_gb, s_gt, s_gd,
+                           BIAS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+        ti = tl.program_id(0)
+        tj = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        nt = tl.num_programs(0)
+        rows = ti * BT + tl.arange(0, BT)
+        cols = tj * BT + tl.arange(0, BT)
+        rmask = rows < T
+        cmask = cols < T
+        kk = tl.arange(0, BK)
+        # tiles below the diagonal mirror those above it: they run no contraction step
+        active = tj >= ti
+        da_end = tl.where(active, DA, 0)
+        dg_end = tl.where(active, DG, 0)
+        acc_a = tl.zeros((BT, BT), dtype=tl.float32)
+        a_base = a_ptr + b * s_ab
+        for k in range(0, da_end, BK):
+            km = (k + kk) < DA
+            x = tl.load(a_base + rows[:, None] * s_at + (k + kk)[None, :] * s_ad,
+                        mask=rmask[:, None] & km[None, :], other=0.0)
+            y = tl.load(a_base + cols[:, None] * s_at + (k + kk)[None, :] * s_ad,
+                        mask=cmask[:, None] & km[None, :], other=0.0)
+            acc_a = tl.dot(x, tl.trans(y), acc_a)
+        acc_g = tl.zeros((BT, BT), dtype=tl.float32)
+        g_base = g_ptr + b * s_gb
+        for k in range(0, dg_end, BK):
+            km = (k + kk) < DG
+            x = tl.load(g_base + rows[:, None] * s_gt + (k + kk)[None, :] * s_gd,
+                        mask=rmask[:, None] & km[None, :], other=0.0)
+            y = tl.load(g_base + cols[:, None] * s_gt + (k + kk)[None, :] * s_gd,
+                        mask=cmask[:, None] & km[None, :], other=0.0)
+            acc_g = tl.dot(x, tl.trans(y), acc_g)
+        total = tl.sum(tl.sum(acc_a * acc_g, axis=1), axis=0)
+        if BIAS:
+            total += tl.sum(tl.sum(acc_g, axis=1), axis=0)
+        total = total * tl.where(tj > ti, 2.0, 1.0)
+        tl.store(part_ptr + (b * nt + ti) * nt + tj, total)
+
+
+def _launch(a: Tensor, g: Tensor, bias: bool, config: dict[str, int], launcher) -> Tensor:
+    """Run the kernel on ``a (B, T, d_in)``, ``g (B, T, d_out)``; return ``(B,)`` float32."""
+    b, t, d_in = a.shape
+    d_out = g.shape[2]
+    bt = config["BT"]
+    nt = triton.cdiv(t, bt)
+    parts = torch.empty((b, nt * nt), dtype=torch.float32, device=a.device)
+    launcher(_gram_norms_kernel)[(nt, nt, b)](
+        a, g, parts, t, d_in, d_out, *a.stride(), *g.stride(),
+        BIAS=bias, BT=bt, BK=config["BK"], num_warps=config["num_warps"],
+        num_stages=config["num_stages"])
+    return parts.sum(1)
+
+
+def _direct(kernel):
+    return kernel
+
+
+_registered = False
+
+
+def _register() -> bool:
+    """Register ``torchfn::ghost_gram_norms_sq`` once; False where this torch cannot."""
+    global _registered
+    if _registered:
+        return True
+    if triton is None or not hasattr(torch.library, "triton_op"):
+        return False
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op(_OP, mutates_args=())
+    def ghost_gram_norms_sq(a: Tensor, g: Tensor, bias: bool) -> Tensor:
+        config = gram_norms_config(a.shape[1], a.shape[2] + g.shape[2])
+        return _launch(a, g, bias, config, wrap_triton)
+
+    def vmap_rule(info, in_dims, a, g, bias):  # type: ignore[no-untyped-def]
+        n = info.batch_size
+        a, g = (x.unsqueeze(0).expand(n, *x.shape) if d is None else x.movedim(d, 0)
+                for x, d in zip((a, g), in_dims[:2], strict=True))
+        out = ghost_gram_norms_sq(a.reshape(-1, *a.shape[2:]), g.reshape(-1, *g.shape[2:]),
+                                  bias)
+        return out.reshape(n, -1), 0
+
+    torch.library.register_vmap(_OP, vmap_rule)
+    _registered = True
+    return True
+
+
+def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | None:
+    """``(B,)`` float32 ``<a_i a_i^T, g_i g_i^T>`` (``+ ||sum_t g_it||^2`` with ``bias``) in one
+    Triton kernel, or None where the kernel does not apply (see the module doc).
+
+    ``a (B, T, d_in)`` and ``g (B, T, d_out)``: float16/bfloat16 CUDA tensors of one dtype,
+    any strides. Not differentiable: None whenever autograd would record the call.
+    """
+    if (triton is None or a.dim() != 3 or g.dim() != 3 or not a.is_cuda
+            or a.dtype not in _HALF or g.dtype != a.dtype or a.shape[:2] != g.shape[:2]):
+        return None
+    if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
+        return None
+    if _build.mode() == "reference" or not _register():
+        return None
+    return torch.ops.torchfn.ghost_gram_norms_sq(a, g, bool(bias))
