@@ -124,7 +124,7 @@ def measure(shape: tuple, device: torch.device, dtype: torch.dtype, gen: torch.G
         row["fused_err"] = err(fused())
         row["fused_compiled_ms"] = graph_replay_ms(lambda: fused_c(a, g, True), device)
         row["fused_compiled_err"] = err(fused_c(a, g, True))
-        row["config"] = _gram_triton.gram_norms_config(t, d_in + d_out)
+        row["config"] = _gram_triton.gram_norms_config(b, t)
         best = None
         for cfg in config_grid() if configs else []:
             def run(cfg: dict = cfg) -> torch.Tensor:

@@ -43,6 +43,8 @@ def test_declines_where_it_does_not_apply(monkeypatch) -> None:
         assert _gram_triton.fused_gram_norms_sq(torch.ones(2, 3, **c), torch.ones(2, 4, **c)) \
             is None  # 2-D: the closed form elsewhere
         assert _gram_triton.fused_gram_norms_sq(a.cuda(), g.cuda()) is None  # float32
+        wide = torch.ones(2, 3, _gram_triton.MAX_WIDTH, **c)
+        assert _gram_triton.fused_gram_norms_sq(wide, torch.ones(2, 3, 1, **c)) is None
         ar = a.to(**c).requires_grad_()
         assert _gram_triton.fused_gram_norms_sq(ar, g.to(**c)) is None  # autograd records
         monkeypatch.setenv("TORCHFN_OPS", "reference")
@@ -50,8 +52,9 @@ def test_declines_where_it_does_not_apply(monkeypatch) -> None:
 
 
 def test_config_fits_short_sequences() -> None:
-    assert _gram_triton.gram_norms_config(16, 100)["BT"] == 32
-    assert _gram_triton.gram_norms_config(256, 3072)["BT"] == 64
+    config = _gram_triton.gram_norms_config
+    assert [config(b, t)["BT"] for b, t in [(8, 16), (8, 256), (32, 256), (32, 197), (2, 64)]] \
+        == [32, 64, 128, 128, 64]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -154,3 +157,22 @@ def test_cuda_ghost_norms_use_the_kernel_and_match_a_loop(monkeypatch) -> None:
         ref.append(sum(gr.double().square().sum() for gr in torch.autograd.grad(
             loss, list(p.values()))))
     torch.testing.assert_close(norms.double(), torch.stack(ref), rtol=3e-2, atol=0)
+
+
+@pytest.mark.gpu
+@needs_triton_op
+def test_cuda_compiled_ghost_norms_equal_eager() -> None:
+    """Ghost norms of a bf16 sequence model compiled (the kernel inside the graph, first
+    call under compile) equal the eager ones."""
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 32)).to("cuda").bfloat16()
+    ghost, params, buffers = make_ghost_model(net)
+    x = torch.randn(8, 40, 64, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8, 40, 32, device="cuda", dtype=torch.bfloat16)
+
+    def norms(p, b, x, y):
+        loss = lambda out, t: ((out.float() - t.float()) ** 2).flatten(1).sum(1)  # noqa: E731
+        return ghost.per_sample(p, b, x, y, loss).grads.sq_norms()
+
+    compiled = torch.compile(norms)(params, buffers, x, y)
+    torch.testing.assert_close(compiled, norms(params, buffers, x, y), rtol=1e-5, atol=0)

@@ -21,7 +21,7 @@ It is registered as the custom op ``torchfn::ghost_gram_norms_sq`` through
 only where the norms are not differentiated (the DP step's clipping coefficients), through
 :func:`fused_gram_norms_sq`, which returns None wherever it does not apply (no Triton, torch
 without ``triton_op``, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
-``TORCHFN_OPS=reference``).
+``d_in + d_out`` above :data:`MAX_WIDTH`, ``TORCHFN_OPS=reference``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from torchfn.ops import _build
 
-__all__ = ["fused_gram_norms_sq", "gram_norms_config"]
+__all__ = ["MAX_WIDTH", "fused_gram_norms_sq", "gram_norms_config"]
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it
     import triton
@@ -43,17 +43,29 @@ _HALF = (torch.float16, torch.bfloat16)
 _OP = "torchfn::ghost_gram_norms_sq"
 
 
-def gram_norms_config(time: int, width: int) -> dict[str, int]:
-    """Return the kernel's tile sizes and launch settings for ``T = time``, ``d_in + d_out =
-    width``: ``BT`` (Gram tile side), ``BK`` (contraction step), ``num_warps``, ``num_stages``.
+# Widths (d_in + d_out) above this go to the plain Gram form: each program contracts a whole
+# row of it, and with few programs (short T) one long wave is slower than cuBLAS's GEMMs
+# (GPT-2's tied LM head, 768 + 50257 wide, ran 2.5x slower fused; 768 + 3072 ran faster).
+MAX_WIDTH = 16384
+
+
+def gram_norms_config(batch: int, time: int) -> dict[str, int]:
+    """Return the kernel's tile sizes and launch settings for ``B = batch``, ``T = time``:
+    ``BT`` (Gram tile side), ``BK`` (contraction step), ``num_warps``, ``num_stages``.
+
+    ``128``-wide tiles when they alone give about a wave of programs on a large GPU (``B``
+    times the upper-triangle tile count at least 96), else ``64`` (``32`` for ``T <= 32``)
+    with a longer contraction step; the best of a grid of configs in
+    ``benchmarks/ghost_gram.py`` for GPT-2 and ViT-B layer shapes at B = 8 and 32.
 
     Example:
-        >>> sorted(gram_norms_config(256, 3072))
-        ['BK', 'BT', 'num_stages', 'num_warps']
+        >>> gram_norms_config(8, 256)["BT"], gram_norms_config(32, 256)["BT"]
+        (64, 128)
     """
-    del width  # the contraction length does not change the choice (yet)
-    bt = 64 if time > 32 else 32
-    return {"BT": bt, "BK": 64, "num_warps": 4, "num_stages": 3}
+    n128 = -(-time // 128)
+    if time > 64 and batch * n128 * (n128 + 1) // 2 >= 96:
+        return {"BT": 128, "BK": 64, "num_warps": 8, "num_stages": 4}
+    return {"BT": 64 if time > 32 else 32, "BK": 128, "num_warps": 4, "num_stages": 3}
 
 
 if triton is not None:
@@ -118,21 +130,19 @@ def _direct(kernel):
     return kernel
 
 
-_registered = False
-
-
 def _register() -> bool:
-    """Register ``torchfn::ghost_gram_norms_sq`` once; False where this torch cannot."""
-    global _registered
-    if _registered:
-        return True
+    """Register ``torchfn::ghost_gram_norms_sq``; False where this torch or install cannot.
+
+    Done at import: Dynamo refuses to trace ``triton_op`` itself, so a first call inside a
+    compiled function could not register it.
+    """
     if triton is None or not hasattr(torch.library, "triton_op"):
         return False
     from torch.library import triton_op, wrap_triton
 
     @triton_op(_OP, mutates_args=())
     def ghost_gram_norms_sq(a: Tensor, g: Tensor, bias: bool) -> Tensor:
-        config = gram_norms_config(a.shape[1], a.shape[2] + g.shape[2])
+        config = gram_norms_config(a.shape[0], a.shape[1])
         return _launch(a, g, bias, config, wrap_triton)
 
     def vmap_rule(info, in_dims, a, g, bias):  # type: ignore[no-untyped-def]
@@ -144,8 +154,10 @@ def _register() -> bool:
         return out.reshape(n, -1), 0
 
     torch.library.register_vmap(_OP, vmap_rule)
-    _registered = True
     return True
+
+
+_REGISTERED = _register()
 
 
 def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | None:
@@ -153,13 +165,15 @@ def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | No
     Triton kernel, or None where the kernel does not apply (see the module doc).
 
     ``a (B, T, d_in)`` and ``g (B, T, d_out)``: float16/bfloat16 CUDA tensors of one dtype,
-    any strides. Not differentiable: None whenever autograd would record the call.
+    any strides, ``d_in + d_out <= MAX_WIDTH``. Not differentiable: None whenever autograd
+    would record the call.
     """
     if (triton is None or a.dim() != 3 or g.dim() != 3 or not a.is_cuda
-            or a.dtype not in _HALF or g.dtype != a.dtype or a.shape[:2] != g.shape[:2]):
+            or a.dtype not in _HALF or g.dtype != a.dtype or a.shape[:2] != g.shape[:2]
+            or a.shape[2] + g.shape[2] > MAX_WIDTH):
         return None
     if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
         return None
-    if _build.mode() == "reference" or not _register():
+    if not _REGISTERED or _build.mode() == "reference":
         return None
     return torch.ops.torchfn.ghost_gram_norms_sq(a, g, bool(bias))
