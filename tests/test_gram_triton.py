@@ -163,7 +163,7 @@ def test_cuda_ghost_norms_use_the_kernel_and_match_a_loop(monkeypatch) -> None:
 @needs_triton_op
 def test_cuda_compiled_ghost_norms_equal_eager() -> None:
     """Ghost norms of a bf16 sequence model compiled (the kernel inside the graph, first
-    call under compile) equal the eager ones."""
+    call under compile) equal the eager ones up to bf16 rounding of the activations."""
     torch.manual_seed(4)
     net = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 32)).to("cuda").bfloat16()
     ghost, params, buffers = make_ghost_model(net)
@@ -175,4 +175,6 @@ def test_cuda_compiled_ghost_norms_equal_eager() -> None:
         return ghost.per_sample(p, b, x, y, loss).grads.sq_norms()
 
     compiled = torch.compile(norms)(params, buffers, x, y)
-    torch.testing.assert_close(compiled, norms(params, buffers, x, y), rtol=1e-5, atol=0)
+    # not bitwise: Inductor keeps the fused tanh and loss in float32 where eager rounds the
+    # bf16 activations and gradients between ops (2.6e-4 apart on an H200)
+    torch.testing.assert_close(compiled, norms(params, buffers, x, y), rtol=2e-3, atol=0)
