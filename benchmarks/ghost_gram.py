@@ -2,8 +2,9 @@
 
 Per layer shape ``a (B, T, d_in)``, ``g (B, T, d_out)`` (bf16 by default), times
 
-- ``twin``: ``torch.compile`` of the plain Gram form (two batched ``(B, T, T)`` GEMMs and the
-  product-sum, plus the bias term) -- what a compiled DP step ran before the kernel;
+- ``twin``: ``torch.compile`` of the plain Gram form, ``torchfn.ops.reference``'s (two batched
+  ``(B, T, T)`` GEMMs, odd sizes padded for the tensor cores, and the product-sum, plus the
+  bias term) -- what a compiled DP step ran before the kernel;
 - ``fused``: ``torchfn.ops._gram_triton.fused_gram_norms_sq`` with its default tile config,
   eager and under ``torch.compile``;
 - with ``--configs``, the kernel at every config of a small grid (to check the default).
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import device_name, graph_replay_ms, set_tf32_off, write_json
 
-from torchfn.ops import _gram_triton
+from torchfn.ops import _gram_triton, reference
 
 # (name, batch, time, d_in, d_out, layers of this shape per model)
 WORKLOADS = {
@@ -52,11 +53,10 @@ SMALL = [("small", 2, 24, 16, 40, 1)]
 
 
 def plain_gram(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The Gram form in torch ops, with the bias term (what the compiled step ran before)."""
-    gram_a = torch.einsum("bti,bsi->bts", a, a)
-    gram_g = torch.einsum("bto,bso->bts", g, g)
-    out = (gram_a.float() * gram_g.float()).sum((1, 2))
-    return out + g.sum(1).float().square().sum(1)
+    """The library's plain Gram form with the bias term (``torchfn.ops.reference``: half
+    inputs of odd ``T`` or width padded for the tensor cores), what compiled steps ran before
+    the kernel and still run where it does not apply."""
+    return reference.linear_grad_norms_sq(a, g, bias=True, method="gram")
 
 
 def reference64(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def config_grid() -> list[dict[str, int]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="gpt2,vit")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="CPU smoke run")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--md", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
     tf32 = set_tf32_off()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -94,13 +94,15 @@ def main() -> None:
     rows = [measure(shape, device, dtype, gen, twin, fused_c, args.configs) for shape in shapes]
     result = {"date": datetime.date.today().isoformat(), "device": device_name(device),
               "torch": torch.__version__, "dtype": args.dtype, "tf32": tf32,
-              "command": "python3 " + " ".join(sys.argv), "rows": rows}
+              "command": "python3 benchmarks/ghost_gram.py " + " ".join(
+                  sys.argv[1:] if argv is None else argv), "rows": rows}
     write_json(args.json, result)
     if args.md is not None:
         args.md.parent.mkdir(parents=True, exist_ok=True)
         args.md.write_text(markdown(result))
         print(f"wrote {args.md}")
     print(markdown(result))
+    return 0
 
 
 def measure(shape: tuple, device: torch.device, dtype: torch.dtype, gen: torch.Generator,
@@ -178,4 +180,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -45,6 +45,8 @@ def test_declines_where_it_does_not_apply(monkeypatch) -> None:
         assert _gram_triton.fused_gram_norms_sq(a.cuda(), g.cuda()) is None  # float32
         wide = torch.ones(2, 3, _gram_triton.MAX_WIDTH, **c)
         assert _gram_triton.fused_gram_norms_sq(wide, torch.ones(2, 3, 1, **c)) is None
+        wide = torch.ones(32, 256, _gram_triton.MAX_WIDTH, **c)  # 128-wide tiles: a wave
+        assert _gram_triton.fused_gram_norms_sq(wide, torch.ones(32, 256, 1, **c)) is not None
         ar = a.to(**c).requires_grad_()
         assert _gram_triton.fused_gram_norms_sq(ar, g.to(**c)) is None  # autograd records
         monkeypatch.setenv("TORCHFN_OPS", "reference")

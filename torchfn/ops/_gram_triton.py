@@ -21,7 +21,7 @@ It is registered as the custom op ``torchfn::ghost_gram_norms_sq`` through
 only where the norms are not differentiated (the DP step's clipping coefficients), through
 :func:`fused_gram_norms_sq`, which returns None wherever it does not apply (no Triton, torch
 without ``triton_op``, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
-``d_in + d_out`` above :data:`MAX_WIDTH`, ``TORCHFN_OPS=reference``).
+``d_in + d_out`` above :data:`MAX_WIDTH` with small tiles, ``TORCHFN_OPS=reference``).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ _HALF = (torch.float16, torch.bfloat16)
 _OP = "torchfn::ghost_gram_norms_sq"
 
 
-# Widths (d_in + d_out) above this go to the plain Gram form: each program contracts a whole
-# row of it, and with few programs (short T) one long wave is slower than cuBLAS's GEMMs
-# (GPT-2's tied LM head, 768 + 50257 wide, ran 2.5x slower fused; 768 + 3072 ran faster).
+# Widths (d_in + d_out) above this go to the plain Gram form when the kernel would run
+# 64-wide tiles: each program contracts a whole row of width, and with 64-wide tiles one long
+# wave is slower than cuBLAS's GEMMs (GPT-2's tied LM head, 768 + 50257 wide, at B=8: 2.5x
+# slower fused; 768 + 3072 ran faster). With 128-wide tiles (B=32) the LM head ran faster fused.
 MAX_WIDTH = 16384
 
 
@@ -165,12 +166,15 @@ def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | No
     Triton kernel, or None where the kernel does not apply (see the module doc).
 
     ``a (B, T, d_in)`` and ``g (B, T, d_out)``: float16/bfloat16 CUDA tensors of one dtype,
-    any strides, ``d_in + d_out <= MAX_WIDTH``. Not differentiable: None whenever autograd
+    any strides; ``d_in + d_out <= MAX_WIDTH`` unless 128-wide tiles apply (see
+    :func:`gram_norms_config`). Not differentiable: None whenever autograd
     would record the call.
     """
     if (triton is None or a.dim() != 3 or g.dim() != 3 or not a.is_cuda
-            or a.dtype not in _HALF or g.dtype != a.dtype or a.shape[:2] != g.shape[:2]
-            or a.shape[2] + g.shape[2] > MAX_WIDTH):
+            or a.dtype not in _HALF or g.dtype != a.dtype or a.shape[:2] != g.shape[:2]):
+        return None
+    if (a.shape[2] + g.shape[2] > MAX_WIDTH
+            and gram_norms_config(a.shape[0], a.shape[1])["BT"] < 128):
         return None
     if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
         return None
