@@ -72,6 +72,22 @@ def gram_norms_config(batch: int, time: int) -> dict[str, int]:
 if triton is not None:
 
     @triton.jit
+    def _gram_tile(base, rows, cols, rmask, cmask, end, D, s_t, s_d,
+                   BT: tl.constexpr, BK: tl.constexpr):
+        """The ``(rows, cols)`` tile of ``x x^T`` for one sample's ``x`` at ``base`` (float32),
+        contracting over ``[0, end)`` of its ``D`` columns (``end`` 0: a zero tile)."""
+        kk = tl.arange(0, BK)
+        acc = tl.zeros((BT, BT), dtype=tl.float32)
+        for k in range(0, end, BK):
+            km = (k + kk) < D
+            x = tl.load(base + rows[:, None] * s_t + (k + kk)[None, :] * s_d,
+                        mask=rmask[:, None] & km[None, :], other=0.0)
+            y = tl.load(base + cols[:, None] * s_t + (k + kk)[None, :] * s_d,
+                        mask=cmask[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(y), acc)
+        return acc
+
+    @triton.jit
     def _gram_norms_kernel(a_ptr, g_ptr, part_ptr, T, DA, DG,
                            s_ab, s_at, s_ad, s_gb, s_gt, s_gd,
                            BIAS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
@@ -83,29 +99,14 @@ if triton is not None:
         cols = tj * BT + tl.arange(0, BT)
         rmask = rows < T
         cmask = cols < T
-        kk = tl.arange(0, BK)
         # tiles below the diagonal mirror those above it: they run no contraction step
         active = tj >= ti
         da_end = tl.where(active, DA, 0)
         dg_end = tl.where(active, DG, 0)
-        acc_a = tl.zeros((BT, BT), dtype=tl.float32)
-        a_base = a_ptr + b * s_ab
-        for k in range(0, da_end, BK):
-            km = (k + kk) < DA
-            x = tl.load(a_base + rows[:, None] * s_at + (k + kk)[None, :] * s_ad,
-                        mask=rmask[:, None] & km[None, :], other=0.0)
-            y = tl.load(a_base + cols[:, None] * s_at + (k + kk)[None, :] * s_ad,
-                        mask=cmask[:, None] & km[None, :], other=0.0)
-            acc_a = tl.dot(x, tl.trans(y), acc_a)
-        acc_g = tl.zeros((BT, BT), dtype=tl.float32)
-        g_base = g_ptr + b * s_gb
-        for k in range(0, dg_end, BK):
-            km = (k + kk) < DG
-            x = tl.load(g_base + rows[:, None] * s_gt + (k + kk)[None, :] * s_gd,
-                        mask=rmask[:, None] & km[None, :], other=0.0)
-            y = tl.load(g_base + cols[:, None] * s_gt + (k + kk)[None, :] * s_gd,
-                        mask=cmask[:, None] & km[None, :], other=0.0)
-            acc_g = tl.dot(x, tl.trans(y), acc_g)
+        acc_a = _gram_tile(a_ptr + b * s_ab, rows, cols, rmask, cmask, da_end, DA, s_at, s_ad,
+                           BT, BK)
+        acc_g = _gram_tile(g_ptr + b * s_gb, rows, cols, rmask, cmask, dg_end, DG, s_gt, s_gd,
+                           BT, BK)
         total = tl.sum(tl.sum(acc_a * acc_g, axis=1), axis=0)
         if BIAS:
             total += tl.sum(tl.sum(acc_g, axis=1), axis=0)
