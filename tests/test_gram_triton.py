@@ -59,8 +59,19 @@ def test_config_fits_short_sequences() -> None:
         == [32, 64, 128, 128, 64]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+def _triton_version() -> tuple[int, ...] | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+
+
+@pytest.mark.skipif(_triton_version() is None,
                     reason="Triton is not installed (CPU-only torch); the GPU tests cover it")
+@pytest.mark.skipif((_triton_version() or (99,)) < (3, 9), reason="Triton < 3.9's interpreter "
+                    "cannot run a loop whose bound is a program-dependent value (TypeError: only "
+                    "0-dimensional arrays ...); compiled, it can: the GPU tests cover it")
 def test_kernel_arithmetic_in_the_triton_interpreter() -> None:
     """The kernel's tiles, masks, symmetry weights and bias term, run by Triton's interpreter
     on the CPU (float16 and float32: the interpreter has no bfloat16), against float64."""
