@@ -169,7 +169,14 @@ def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | No
     ``a (B, T, d_in)`` and ``g (B, T, d_out)``: float16/bfloat16 CUDA tensors of one dtype,
     any strides; ``d_in + d_out <= MAX_WIDTH`` unless 128-wide tiles apply (see
     :func:`gram_norms_config`). Not differentiable: None whenever autograd
-    would record the call.
+    would record the call. Where it returns None, :func:`torchfn.ops.linear_grad_norms_sq`
+    gives the same numbers (its Gram form, ``method="gram"``).
+
+    Example:
+        >>> import torch, torchfn
+        >>> a, g = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
+        >>> torchfn.ops.fused_gram_norms_sq(a, g) is None  # CPU float32: not for the kernel
+        True
     """
     if (triton is None or a.dim() != 3 or g.dim() != 3 or not a.is_cuda
             or a.dtype not in _HALF or g.dtype != a.dtype or a.shape[:2] != g.shape[:2]):

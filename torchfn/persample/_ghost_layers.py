@@ -43,10 +43,10 @@ from torch import Tensor, nn
 
 from torchfn.ops import (
     clipped_linear_grad_sum,
+    fused_gram_norms_sq,
     gram_is_cheaper,
     linear_grad_norms_sq,
 )
-from torchfn.ops._gram_triton import fused_gram_norms_sq
 
 __all__: list[str] = []  # private: used by torchfn.persample._ghost_norms
 
