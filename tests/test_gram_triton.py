@@ -43,6 +43,8 @@ def test_declines_where_it_does_not_apply(monkeypatch) -> None:
         assert _gram_triton.fused_gram_norms_sq(torch.ones(2, 3, **c), torch.ones(2, 4, **c)) \
             is None  # 2-D: the closed form elsewhere
         assert _gram_triton.fused_gram_norms_sq(a.cuda(), g.cuda()) is None  # float32
+        assert _gram_triton.fused_gram_norms_sq(torch.ones(2, 0, 3, **c),
+                                                torch.ones(2, 0, 4, **c)) is None  # empty
         wide = torch.ones(2, 3, _gram_triton.MAX_WIDTH, **c)
         assert _gram_triton.fused_gram_norms_sq(wide, torch.ones(2, 3, 1, **c)) is None
         wide = torch.ones(32, 256, _gram_triton.MAX_WIDTH, **c)  # 128-wide tiles: a wave
@@ -82,7 +84,9 @@ def test_kernel_arithmetic_in_the_triton_interpreter() -> None:
         cases = [(2, 40, 24, 72, 32, torch.float32, False, False),
                  (3, 70, 100, 36, 64, torch.float32, True, True),
                  (1, 197, 64, 64, 64, torch.float16, True, False),
-                 (2, 9, 5, 7, 32, torch.float16, False, True)]
+                 (2, 9, 5, 7, 32, torch.float16, False, True),
+                 (5, 12, 8, 8, 32, torch.float32, True, False)]
+        m._MAX_GRID_Z = 2  # more than 2 samples: several launches (5 -> 2, 2 and 1)
         for b, t, da, dg, bt, dtype, bias, strided in cases:
             a, g = torch.randn(b, t, da).to(dtype), torch.randn(b, t, dg).to(dtype)
             if strided:
@@ -118,6 +122,17 @@ def test_cuda_equals_float64(dtype, shape, bias) -> None:
     out = _gram_triton.fused_gram_norms_sq(a, g, bias)
     assert out is not None and out.dtype == torch.float32 and out.shape == (b,)
     torch.testing.assert_close(out.double(), reference64(a, g, bias), rtol=2e-5, atol=0)
+
+
+@pytest.mark.gpu
+@needs_triton_op
+def test_cuda_more_samples_than_one_grid_takes(monkeypatch) -> None:
+    monkeypatch.setattr(_gram_triton, "_MAX_GRID_Z", 3)  # 7 samples: launches of 3, 3, 1
+    gen = torch.Generator("cuda").manual_seed(5)
+    a = torch.randn(7, 40, 24, device="cuda", generator=gen).half()
+    g = torch.randn(7, 40, 16, device="cuda", generator=gen).half()
+    out = _gram_triton.fused_gram_norms_sq(a, g, True)
+    torch.testing.assert_close(out.double(), reference64(a, g, True), rtol=2e-5, atol=0)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,9 @@ It is registered as the custom op ``torchfn::ghost_gram_norms_sq`` through
 only where the norms are not differentiated (the DP step's clipping coefficients), through
 :func:`fused_gram_norms_sq`, which returns None wherever it does not apply (no Triton, torch
 without ``triton_op``, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
-``d_in + d_out`` above :data:`MAX_WIDTH` with small tiles, ``TORCHFN_OPS=reference``).
+``d_in + d_out`` above :data:`MAX_WIDTH` with small tiles, empty inputs,
+``TORCHFN_OPS=reference``). More than 65535 samples (CUDA's limit on a grid's third
+dimension) run as several launches.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None  # type: ignore[assignment]
 
 _HALF = (torch.float16, torch.bfloat16)
+_MAX_GRID_Z = 65535  # CUDA's limit on a launch grid's third dimension: samples per launch
 _OP = "torchfn::ghost_gram_norms_sq"
 
 
@@ -115,8 +118,12 @@ if triton is not None:
 
 
 def _launch(a: Tensor, g: Tensor, bias: bool, config: dict[str, int], launcher) -> Tensor:
-    """Run the kernel on ``a (B, T, d_in)``, ``g (B, T, d_out)``; return ``(B,)`` float32."""
+    """Run the kernel on ``a (B, T, d_in)``, ``g (B, T, d_out)``; return ``(B,)`` float32
+    (one launch per ``_MAX_GRID_Z`` samples)."""
     b, t, d_in = a.shape
+    if b > _MAX_GRID_Z:
+        return torch.cat([_launch(a[i:i + _MAX_GRID_Z], g[i:i + _MAX_GRID_Z], bias, config,
+                                  launcher) for i in range(0, b, _MAX_GRID_Z)])
     d_out = g.shape[2]
     bt = config["BT"]
     nt = triton.cdiv(t, bt)
@@ -170,7 +177,8 @@ def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | No
     any strides; ``d_in + d_out <= MAX_WIDTH`` unless 128-wide tiles apply (see
     :func:`gram_norms_config`). Not differentiable: None whenever autograd
     would record the call. Where it returns None, :func:`torchfn.ops.linear_grad_norms_sq`
-    gives the same numbers (its Gram form, ``method="gram"``).
+    gives the same quantity (its Gram form, ``method="gram"``; rounded to the inputs' dtype
+    there, float32 here).
 
     Example:
         >>> import torch, torchfn
@@ -179,8 +187,11 @@ def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | No
         True
     """
     if (triton is None or a.dim() != 3 or g.dim() != 3 or not a.is_cuda
-            or a.dtype not in _HALF or g.dtype != a.dtype or a.shape[:2] != g.shape[:2]):
+            or g.device != a.device or a.dtype not in _HALF or g.dtype != a.dtype
+            or a.shape[:2] != g.shape[:2]):
         return None
+    if a.numel() == 0 or g.numel() == 0:
+        return None  # nothing to launch
     if (a.shape[2] + g.shape[2] > MAX_WIDTH
             and gram_norms_config(a.shape[0], a.shape[1])["BT"] < 128):
         return None
