@@ -20,7 +20,7 @@ It is registered as the custom op ``torchfn::ghost_gram_norms_sq`` through
 ``torch.func.vmap`` folds a vmapped dim into the batch. It has no derivative: callers use it
 only where the norms are not differentiated (the DP step's clipping coefficients), through
 :func:`fused_gram_norms_sq`, which returns None wherever it does not apply (no Triton, torch
-without ``triton_op``, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
+before 2.11, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
 ``d_in + d_out`` above :data:`MAX_WIDTH` with small tiles, empty inputs,
 ``TORCHFN_OPS=reference``). More than 65535 samples (CUDA's limit on a grid's third
 dimension) run as several launches.
@@ -139,13 +139,20 @@ def _direct(kernel):
     return kernel
 
 
+# The kernel takes its inputs' strides as arguments, fixed when a graph is traced; Inductor
+# gives a user Triton kernel's inputs exactly the traced strides (its "eager_input_vals"
+# constraint) on torch 2.11, the version this was built and tested on. Older versions are left
+# to the plain form rather than trusted to keep the strides (a padded layout would be misread).
+_STRIDES_KEPT = torch.torch_version.TorchVersion(torch.__version__) >= "2.11"
+
+
 def _register() -> bool:
     """Register ``torchfn::ghost_gram_norms_sq``; False where this torch or install cannot.
 
     Done at import: Dynamo refuses to trace ``triton_op`` itself, so a first call inside a
     compiled function could not register it.
     """
-    if triton is None or not hasattr(torch.library, "triton_op"):
+    if triton is None or not hasattr(torch.library, "triton_op") or not _STRIDES_KEPT:
         return False
     from torch.library import triton_op, wrap_triton
 
