@@ -34,6 +34,22 @@ def reference64(a: Tensor, g: Tensor, bias: bool) -> Tensor:
     return out + g.sum(1).square().sum(1) if bias else out
 
 
+def _record_kernel_use(monkeypatch) -> list[bool]:
+    """Patch the ghost linear rule's call of the kernel to record, per call, whether the
+    kernel ran (True) or declined (False); return the record."""
+    import torchfn.persample._ghost_layers as layers
+
+    used: list[bool] = []
+
+    def recording(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | None:
+        out = _gram_triton.fused_gram_norms_sq(a, g, bias)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layers, "fused_gram_norms_sq", recording)
+    return used
+
+
 def test_declines_where_it_does_not_apply(monkeypatch) -> None:
     a, g = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
     assert _gram_triton.fused_gram_norms_sq(a, g) is None  # CPU
@@ -156,16 +172,7 @@ def test_cuda_compiled_and_vmapped_equal_eager() -> None:
 def test_cuda_ghost_norms_use_the_kernel_and_match_a_loop(monkeypatch) -> None:
     """A bf16 sequence model's ghost norms go through the kernel and equal a per-sample
     autograd loop (norms in float64 of the loop's bf16 gradients)."""
-    import torchfn.persample._ghost_layers as layers
-
-    calls = []
-
-    def counting(a, g, bias=False):
-        out = _gram_triton.fused_gram_norms_sq(a, g, bias)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(layers, "fused_gram_norms_sq", counting)
+    calls = _record_kernel_use(monkeypatch)
     torch.manual_seed(3)
     net = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 40, bias=False))
     net = net.to("cuda", torch.bfloat16)
@@ -206,3 +213,32 @@ def test_cuda_compiled_ghost_norms_equal_eager() -> None:
     # not bitwise: Inductor keeps the fused tanh and loss in float32 where eager rounds the
     # bf16 activations and gradients between ops (2.6e-4 apart on an H200)
     torch.testing.assert_close(compiled, norms(params, buffers, x, y), rtol=2e-3, atol=0)
+
+
+@pytest.mark.gpu
+@needs_triton_op
+@pytest.mark.parametrize("name", ["gpt2", "vit_hf", "bert", "tfm_encoder", "timm_vit"])
+def test_cuda_zoo_bf16_norms_with_the_kernel_equal_the_plain_form(name, monkeypatch) -> None:
+    """Models we did not write (HF GPT-2 / ViT / BERT, torch's TransformerEncoder, a timm-style
+    ViT) in bfloat16 on CUDA: ghost norms through the kernel equal those of the plain Gram form
+    (``TORCHFN_OPS=reference``), up to the plain form's bf16 rounding of its Gram entries."""
+    from torchfn.persample import ghost_grad_norms
+
+    zoo = pytest.importorskip("zoo")
+    for pkg in zoo.NEEDS.get(name, ()):
+        pytest.importorskip(pkg)
+    entry = zoo.build(name, dtype=torch.bfloat16, device="cuda")
+    x, y = entry.batch(4, 0)
+    ghost, params, buffers = make_ghost_model(entry.module)
+    used = _record_kernel_use(monkeypatch)
+
+    def norms() -> Tensor:
+        return ghost_grad_norms(ghost, entry.loss_fn)(params, buffers, x, y).double()
+
+    fused = norms()
+    assert any(used), f"{name}: no layer took the kernel"
+    monkeypatch.setenv("TORCHFN_OPS", "reference")
+    used.clear()
+    plain = norms()
+    assert not any(used)
+    torch.testing.assert_close(fused, plain, rtol=2e-2, atol=0)
