@@ -520,3 +520,100 @@ def test_bf16_autocast_norms_run_in_bf16_and_match_the_autocast_loop(monkeypatch
     assert seen and set(seen) == {torch.bfloat16}
     assert norms.dtype == torch.float32
     torch.testing.assert_close(norms, torch.stack(ref), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "hf_conv1d"])
+def test_compiled_sum_shares_the_gram_padding(transposed, monkeypatch) -> None:
+    """While compiling, a layer whose feature width is not a multiple of 8 pads ``a`` and ``g``
+    once for the Gram norms and computes the weighted sum from those padded copies, sliced back
+    (CUDA half only in practice; forced here, in float64, on any device): norms and sum equal
+    an autograd loop's, for ``nn.Linear`` and HF's transposed ``Conv1D``, odd T and widths."""
+    import torchfn.ops.reference as reference
+
+    calls: list[tuple[int, ...]] = []
+
+    def pad_always(x: Tensor) -> Tensor:
+        calls.append(tuple(x.shape))
+        return F.pad(x, (0, -x.shape[2] % 8, 0, -x.shape[1] % 8))
+
+    monkeypatch.setattr(reference, "pad_for_tensor_cores", pad_always)
+    torch.manual_seed(5)
+    if transposed:  # HF's Conv1D(nf=d_out, nx=d_in)
+        layer = pytest.importorskip("transformers.pytorch_utils").Conv1D(13, 10)
+    else:
+        layer = nn.Linear(10, 13)  # d_out 13, d_in 10
+    net = nn.Sequential(layer, nn.Tanh(), nn.Linear(13, 3)).double()
+    ghost, params, buffers = make_ghost_model(net)
+    assert ghost.layer_kinds["0"] == "linear"
+    x, y = torch.randn(3, 5, 10, dtype=F64), torch.randn(3, 5, 3, dtype=F64)  # T = 5
+    coef = torch.rand(3, dtype=F64) + 0.1
+    expect = loop_grads(ghost, params, buffers, x, y, sq_loss)
+    expect_sq = sum(v.square().flatten(1).sum(1) for v in expect.values())
+    expect_sum = {k: torch.tensordot(coef, v, dims=1) for k, v in expect.items()}
+
+    def f(params, x, y, coef):
+        res = ghost.per_sample(params, buffers, x, y, sq_loss, bookkeeping=True).grads
+        return res.sq_norms(), res.weighted_sum(coef)
+
+    sq, summed = torch.compile(f, fullgraph=True)(params, x, y, coef)
+    assert (3, 5, 13) in calls  # the padded route was traced (layer "0": Gram form)
+    torch.testing.assert_close(sq, expect_sq, rtol=1e-10, atol=0)
+    for k, v in expect_sum.items():
+        assert summed[k].shape == v.shape and summed[k].is_contiguous(), k
+        torch.testing.assert_close(summed[k], v, rtol=1e-10, atol=1e-12)
+
+
+def test_autocast_layers_record_the_cast_input_once() -> None:
+    """Under bf16 autocast a linear layer's tap casts its float32 input (a GELU output here)
+    to bfloat16 before the call: the layer computes with exactly what autocast would give it,
+    the tape records that tensor, and the compiled step's graph casts each activation once
+    (before, the layer's cast and the per-sample work's cast were two nodes, each recomputing
+    the fused activation in a compiled step); norms and sum still match an autograd loop."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.LayerNorm(16),
+                        nn.Linear(16, 4))
+    seen: list[torch.dtype] = []
+    net[3].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    ghost, params, buffers = make_ghost_model(net)
+    x, y = torch.randn(3, 5, 8), torch.randn(3, 5, 4)
+    coef = torch.rand(3) + 0.1
+
+    def f(params, x, y, coef):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res = ghost.per_sample(params, buffers, x, y, sq_loss, bookkeeping=True)
+        return res.grads.sq_norms(), res.grads.weighted_sum(coef)
+
+    sq, summed = f(params, x, y, coef)
+    assert seen and set(seen) == {torch.bfloat16}, seen  # the LayerNorm's float32 output, cast
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(f, backend=aot_autograd(fw_compiler=capture),
+                             fullgraph=True)
+    sq_c, summed_c = compiled(params, x, y, coef)
+    views = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.alias.default, torch.ops.aten.reshape.default}
+
+    def root(n):
+        while n.op == "call_function" and n.target in views:
+            n = n.args[0]
+        return n
+
+    casts: dict[tuple[str, object], int] = {}
+    for n in graphs[0].graph.nodes:
+        if n.target is torch.ops.aten._to_copy.default and n.args[0].meta["val"].dim() >= 2:
+            key = (root(n.args[0]).name, n.kwargs.get("dtype"))
+            casts[key] = casts.get(key, 0) + 1
+    assert casts and all(v == 1 for v in casts.values()), casts
+    # the same numbers as eager, and as float32 autograd up to bf16 rounding
+    torch.testing.assert_close(sq_c, sq, rtol=1e-2, atol=0)
+    ref = ghost.per_sample(params, buffers, x, y, sq_loss, bookkeeping=True).grads
+    torch.testing.assert_close(sq.float(), ref.sq_norms(), rtol=5e-2, atol=0)
+    for k, v in ref.weighted_sum(coef).items():
+        torch.testing.assert_close(summed[k].float(), v, rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(summed_c[k], summed[k], rtol=2e-2, atol=2e-2)

@@ -812,7 +812,7 @@ def test_gram_norms_unchanged_by_zero_time_padding():
                                rtol=1e-14, atol=0)
     torch.testing.assert_close(plain, reference.linear_grad_norms_sq(a, g, bias=True,
                                                                      method="materialize"))
-    assert reference._pad_for_tensor_cores(a.half()).shape == (3, 13, 6)
+    assert reference.pad_for_tensor_cores(a.half()).shape == (3, 13, 6)
 
 
 @pytest.mark.gpu
@@ -825,9 +825,9 @@ def test_gram_norms_half_odd_time_cuda():
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(4, 197, 64, device="cuda", generator=gen).to(dtype)
     g = torch.randn(4, 197, 51, device="cuda", generator=gen).to(dtype)  # 51: an odd width
-    assert reference._pad_for_tensor_cores(a).shape == (4, 200, 64)
-    assert reference._pad_for_tensor_cores(g).shape == (4, 200, 56)
-    assert reference._pad_for_tensor_cores(a.float()).shape == (4, 197, 64)
+    assert reference.pad_for_tensor_cores(a).shape == (4, 200, 64)
+    assert reference.pad_for_tensor_cores(g).shape == (4, 200, 56)
+    assert reference.pad_for_tensor_cores(a.float()).shape == (4, 197, 64)
     got = reference.linear_grad_norms_sq(a, g, bias=True, method="gram").double()
     want = reference.linear_grad_norms_sq(a.double(), g.double(), bias=True, method="materialize")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=0)

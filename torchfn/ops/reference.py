@@ -28,6 +28,7 @@ __all__ = [
     "leaky_relu",
     "linear_bias_grad_norms_sq",
     "linear_grad_norms_sq",
+    "pad_for_tensor_cores",
     "sigmoid",
     "softmax_cross_entropy",
     "stacked_adam_update",
@@ -140,7 +141,7 @@ def linear_grad_norms_sq(
     else:
         time, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
         if method == "gram" or (method == "auto" and time * (d_in + d_out) <= d_in * d_out):
-            a_t, g_t = _pad_for_tensor_cores(a), _pad_for_tensor_cores(g)
+            a_t, g_t = pad_for_tensor_cores(a), pad_for_tensor_cores(g)
             gram_a = torch.einsum("bti,bsi->bts", a_t, a_t)
             gram_g = torch.einsum("bto,bso->bts", g_t, g_t)
             out = (gram_a * gram_g).sum((1, 2))
@@ -151,8 +152,9 @@ def linear_grad_norms_sq(
     return out
 
 
-def _pad_for_tensor_cores(x: Tensor) -> Tensor:
-    """``x (B, T, d)`` with zeros appended so ``T`` and ``d`` are multiples of 8 (half types, CUDA).
+def pad_for_tensor_cores(x: Tensor) -> Tensor:
+    """``x (B, T, d)`` with zeros appended so ``T`` and ``d`` are multiples of 8 (half types,
+    CUDA); any other ``x`` (float32/float64, CPU, aligned already) is returned as it is.
 
     The Gram products ``x_i x_i^T`` are ``(B, T, T)`` batched GEMMs contracting over ``d``:
     their output rows are ``T`` elements apart and their operand rows ``d`` apart. For
@@ -160,6 +162,10 @@ def _pad_for_tensor_cores(x: Tensor) -> Tensor:
     breaks the 16-byte alignment cuBLAS's Hopper tensor-core kernels need, and it falls back
     to far slower ones. Zero rows and columns add exact zeros to every Gram entry they touch,
     so the norms are unchanged.
+
+    Example:
+        >>> pad_for_tensor_cores(torch.ones(2, 197, 51)).shape  # CPU float32: unchanged
+        torch.Size([2, 197, 51])
     """
     time, width = x.shape[1], x.shape[2]
     if not x.is_cuda or x.element_size() != 2 or (time % 8 == 0 and width % 8 == 0):

@@ -46,6 +46,7 @@ from torchfn.ops import (
     fused_gram_norms_sq,
     gram_is_cheaper,
     linear_grad_norms_sq,
+    reference,
 )
 
 __all__: list[str] = []  # private: used by torchfn.persample._ghost_norms
@@ -76,9 +77,10 @@ def _coef(coef: Tensor, like: Tensor) -> Tensor:
 def _common(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """Cast ``a`` and ``g`` to one dtype (autocast may leave them different).
 
-    Under bf16 autocast a layer records its float32 input ``a`` but computed with ``a`` cast to
-    bfloat16, so its output gradient ``g`` is bfloat16: both go to bfloat16, which is what the
-    layer (and autograd's own parameter gradient) used, and keeps the per-sample work on the
+    Under bf16 autocast a layer computes with its input cast to bfloat16, so its output
+    gradient ``g`` is bfloat16 (linear and conv taps record that cast input already; other
+    layers may record a float32 ``a``): both go to bfloat16, which is what the layer (and
+    autograd's own parameter gradient) used, and keeps the per-sample work on the
     half-precision GEMM path. Otherwise the promoted dtype (float16 stays out: its squares and
     Gram entries overflow, loss-scaled ``g`` above all).
     """
@@ -179,6 +181,7 @@ class _LinearLike(Prepared):
         self.transposed = transposed  # weight stored as (d_in, d_out) (HF's Conv1D); groups 1
         self._kept: Tensor | None = None  # (B, d_out, d_in) once materialised by sq_norms
         self._bias_grads: Tensor | None = None  # (B, d_out): sum_t g_it, for norm and sum
+        self._padded: tuple[Tensor, Tensor] | None = None  # see _gram_operands
         self._bookkeeping = False
 
     def expect_weighted_sum(self) -> None:
@@ -206,6 +209,26 @@ class _LinearLike(Prepared):
         simt = a.dtype == torch.float32 and _fp32_matmul_is_highest()
         return self._bookkeeping and simt and t * t * (d_in + d_out) >= 64 * d_in * d_out
 
+    def _gram_operands(self) -> tuple[Tensor, Tensor, str]:
+        """``(a, g, method)`` for the plain Gram norms of one group.
+
+        While compiling, for CUDA half-precision inputs with a feature width that is not a
+        multiple of 8 (GPT-2's tied LM head: ``d_out`` = 50257), ``a`` and ``g`` zero-padded
+        for tensor cores (:func:`torchfn.ops.reference.pad_for_tensor_cores`), kept for the
+        weighted sum: the Gram GEMMs pad them anyway, and the sum's GEMM, reading the same
+        padded copies, needs no padded copy of its own (Inductor pads an unaligned GEMM
+        operand itself: for the LM head a second pass over the ``B x T x 50257`` ``g``).
+        Zero rows and columns add nothing to the norms or the sum."""
+        a, g = self.a, self.g
+        if (torch.compiler.is_compiling() and a.dim() == 3
+                and (a.shape[-1] % 8 or g.shape[-1] % 8)
+                and gram_is_cheaper(a.shape[1], a.shape[2], g.shape[2])):
+            a_p, g_p = reference.pad_for_tensor_cores(a), reference.pad_for_tensor_cores(g)
+            if a_p is not a or g_p is not g:
+                self._padded = (a_p, g_p)
+                return a_p, g_p, "gram"
+        return a, g, "auto"
+
     def sq_norms(self) -> Tensor:
         if self._keeps_per_sample():
             if self._kept is None:
@@ -216,7 +239,8 @@ class _LinearLike(Prepared):
             fused = fused_gram_norms_sq(self.a, self.g, self.bias)  # None unless CUDA half 3-D
             if fused is not None:
                 return fused
-            return _sq_norm_dtype(linear_grad_norms_sq(self.a, self.g, bias=self.bias))
+            a, g, method = self._gram_operands()
+            return _sq_norm_dtype(linear_grad_norms_sq(a, g, bias=self.bias, method=method))
         a, g = self._grouped()
         b = a.shape[0]
         a_f = rearrange(a, "b t n k -> (b n) t k")
@@ -249,6 +273,12 @@ class _LinearLike(Prepared):
         c = _coef(coef, self.a)
         if self._kept is not None:
             w = torch.tensordot(c, self._kept, dims=1)
+        elif self._padded is not None:  # the Gram norms' padded copies (_gram_operands)
+            rows, cols = self.a.shape[-1], self.g.shape[-1]
+            if not self.transposed:
+                rows, cols = cols, rows
+            w = _weighted_gemm(*self._padded, c, self.transposed)[:rows, :cols]
+            w = w if w.is_contiguous() else w.contiguous()
         elif self.groups == 1:  # transposed (HF Conv1D): the GEMM gives (d_in, d_out) itself
             w = _weighted_gemm(self.a, self.g, c, self.transposed)
         else:
@@ -327,6 +357,10 @@ class Rule:
     # whether a call whose output has leading dim 1 in a pass of batch B > 1 is a call shared
     # by the batch (expanded to B on the tape); False where dim 0 of an output is not the batch
     expands_shared_calls = True
+    # whether the layer's op is one autocast runs in its lower precision (linear, conv): then
+    # its tap casts a float32 input to the autocast dtype before the call, so the cast the
+    # layer computes with is the tensor recorded for the per-sample work (one cast, not two)
+    casts_input_under_autocast = False
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`GhostLayerError` if ``module`` has settings this rule cannot handle."""
@@ -347,6 +381,7 @@ class LinearRule(Rule):
     ``c_proj``, ``c_fc``): the same kernels, the weight's gradients transposed."""
 
     kind = "linear"
+    casts_input_under_autocast = True
 
     def __init__(self, transposed: bool = False) -> None:
         self.transposed = transposed
@@ -453,6 +488,7 @@ class ConvRule(Rule):
     """
 
     kind = "conv"
+    casts_input_under_autocast = True
 
     def __init__(self, method: str = "unfold") -> None:
         self.method = method  # one of CONV_METHODS, checked by make_ghost_model

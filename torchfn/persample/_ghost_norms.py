@@ -441,7 +441,8 @@ def make_ghost_model(
         consts = {loc: primary[id(p)] for loc, p in m.named_parameters(remove_duplicate=False)
                   if direct and "." in loc}
         layers[name] = Layer(m, rule, params, buffers, consts)
-        parent._modules[attr] = Tap(m, name, tape, expand_shared=rule.expands_shared_calls)
+        parent._modules[attr] = Tap(m, name, tape, expand_shared=rule.expands_shared_calls,
+                                    cast_input=rule.casts_input_under_autocast)
 
     def visit(parent: nn.Module, attr: str, m: nn.Module, name: str) -> None:
         if not any(True for _ in m.parameters()):

@@ -122,11 +122,31 @@ def _expand(t: Any, batch: int) -> Any:
     return t
 
 
+def autocast_input(x: Any) -> Any:
+    """``x`` cast to the autocast dtype where autocast would cast it for a linear or conv op
+    (a float32 tensor on a device with autocast on), else ``x`` itself.
+
+    The layer then computes with exactly the values autocast would have given it, and the
+    tape records that one cast tensor for the per-sample work: a compiled step computes the
+    cast (and an elementwise producer fused into it, such as an activation) once instead of
+    once for the layer and again for each per-sample use."""
+    if not isinstance(x, Tensor) or x.dtype != torch.float32 or x.device.type not in (
+            "cuda", "cpu"):
+        return x
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x
+    return x.to(torch.get_autocast_dtype(device))
+
+
 class Tap(nn.Module):
-    """Calls ``inner`` and, while the tape records, logs its inputs and adds the probes."""
+    """Calls ``inner`` and, while the tape records, logs its inputs and adds the probes.
+
+    With ``cast_input`` (linear and conv layers) a single float32 input is first cast to the
+    autocast dtype where autocast is on (:func:`autocast_input`)."""
 
     def __init__(self, inner: nn.Module, name: str, tape: Tape, *,
-                 expand_shared: bool = True) -> None:
+                 expand_shared: bool = True, cast_input: bool = False) -> None:
         super().__init__()
         object.__setattr__(self, "_inner", inner)  # not a child: names stay the layer's own
         object.__setattr__(self, "_tap_name", name)
@@ -134,6 +154,7 @@ class Tap(nn.Module):
         # False for a layer whose outputs hold a leading dim 1 that is not the batch (a
         # recurrent layer's (num_layers, B, H) final states): never expanded as shared calls
         object.__setattr__(self, "_expand_shared", expand_shared)
+        object.__setattr__(self, "_cast_input", cast_input)
         self._parameters = inner._parameters
         self._buffers = inner._buffers
         self._modules = inner._modules
@@ -160,6 +181,8 @@ class Tap(nn.Module):
         return f"tap of {type(self._inner).__name__} {self._tap_name!r}"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cast_input and len(args) == 1 and not kwargs:
+            args = (autocast_input(args[0]),)
         out = self._inner(*args, **kwargs)
         tape, name = self._tape, self._tap_name
         if tape.mode is None:
