@@ -98,13 +98,16 @@ class Tape:
         self.shapes: dict[str, list[list[tuple[torch.Size, torch.dtype, torch.device]]]] = {}
         self.probes: dict[str, list[list[Tensor]]] = {}
         self.calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+        # record pass: (input, its autocast cast) of the taps that cast (see Tap), so that
+        # layers reading one tensor (attention's query/key/value) share one cast
+        self.casts: list[tuple[Tensor, Tensor]] = []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Tape:
         return self
 
     def reset(self) -> None:
         self.mode, self.shapes, self.probes, self.calls = None, {}, {}, {}
-        self.batch, self.dummy = None, None
+        self.batch, self.dummy, self.casts = None, None, []
 
 
 def _is_float(t: Any) -> bool:
@@ -143,7 +146,8 @@ class Tap(nn.Module):
     """Calls ``inner`` and, while the tape records, logs its inputs and adds the probes.
 
     With ``cast_input`` (linear and conv layers) a single float32 input is first cast to the
-    autocast dtype where autocast is on (:func:`autocast_input`)."""
+    autocast dtype where autocast is on (:func:`autocast_input`); while recording, taps given
+    the same tensor share its one cast."""
 
     def __init__(self, inner: nn.Module, name: str, tape: Tape, *,
                  expand_shared: bool = True, cast_input: bool = False) -> None:
@@ -180,11 +184,24 @@ class Tap(nn.Module):
     def extra_repr(self) -> str:
         return f"tap of {type(self._inner).__name__} {self._tap_name!r}"
 
+    def _cast(self, x: Any) -> Any:
+        """:func:`autocast_input` of ``x``; while recording, one cast per input tensor."""
+        tape = self._tape
+        if tape.mode != "record":
+            return autocast_input(x)
+        for src, cast in tape.casts:
+            if src is x:
+                return cast
+        cast = autocast_input(x)
+        if cast is not x:
+            tape.casts.append((x, cast))
+        return cast
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._cast_input and len(args) == 1 and not kwargs:
-            args = (autocast_input(args[0]),)
-        out = self._inner(*args, **kwargs)
         tape, name = self._tape, self._tap_name
+        if self._cast_input and len(args) == 1 and not kwargs:
+            args = (self._cast(args[0]),)
+        out = self._inner(*args, **kwargs)
         if tape.mode is None:
             return out
         leaves = tensors_of(out, [])
