@@ -15,7 +15,6 @@ Subpackages (import from these, never from private ``_x`` modules):
 
 from torchfn import compile as compile
 from torchfn import data as data
-from torchfn import distributed as distributed
 from torchfn import ensembles as ensembles
 from torchfn import functional as functional
 from torchfn import meta as meta
@@ -24,6 +23,17 @@ from torchfn import optim as optim
 from torchfn import persample as persample
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # torchfn.distributed is imported on first use: it decorates functions with
+    # torch.compiler.disable, which imports torch._dynamo (seconds) -- a cost a program that
+    # never compiles or distributes (or a data-loader worker) need not pay at ``import torchfn``
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("torchfn.distributed")
+    raise AttributeError(f"module 'torchfn' has no attribute {name!r}")
 
 __all__ = [
     "__version__",

@@ -23,19 +23,19 @@ pass: ``torch.compile(step, fullgraph=True, options=inductor_options())``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from typing import Any, Literal
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from torchfn.compile import _conv_layout
 from torchfn.compile._conv_layout import channels_last_grouped_convs
 
-__all__ = ["GroupedConvDoubleBackwardPass", "fuse_grouped_conv_double_backward",
-           "inductor_options"]
+# (also GroupedConvDoubleBackwardPass, defined on first use: see _pass_class)
+__all__ = ["fuse_grouped_conv_double_backward", "inductor_options"]
 
 aten = torch.ops.aten
 
@@ -197,37 +197,53 @@ def _match(convs: Any) -> tuple[fx.Node, fx.Node, list[int], list[int]] | None:
     return ggi, go, padding, kernel
 
 
-class GroupedConvDoubleBackwardPass(CustomGraphPass):
-    """Inductor post-grad pass running :func:`fuse_grouped_conv_double_backward`.
+@functools.cache
+def _pass_class() -> type:
+    """Define :class:`GroupedConvDoubleBackwardPass` on first use: its base class lives in
+    ``torch._inductor``, whose import (with ``torch._dynamo``) takes seconds, and a program
+    that never compiles -- or a data-loader worker -- should not pay for it."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    With ``channels_last=True`` it then runs
-    :func:`channels_last_grouped_convs` (grouped convolutions with at least
-    ``min_group_channels`` input channels per group in channels-last); with ``"auto"`` only
-    where :func:`channels_last_pays` when the graph is compiled.
-    """
+    class GroupedConvDoubleBackwardPass(CustomGraphPass):
+        """Inductor post-grad pass running :func:`fuse_grouped_conv_double_backward`.
 
-    def __init__(self, channels_last: bool | Literal["auto"] = "auto",
-                 min_group_channels: int = 16) -> None:
-        if channels_last not in (True, False, "auto"):
-            raise ValueError(f"channels_last: expected True, False or 'auto', got "
-                             f"{channels_last!r}")
-        self.channels_last, self.min_group_channels = channels_last, min_group_channels
+        With ``channels_last=True`` it then runs
+        :func:`channels_last_grouped_convs` (grouped convolutions with at least
+        ``min_group_channels`` input channels per group in channels-last); with ``"auto"`` only
+        where :func:`channels_last_pays` when the graph is compiled.
+        """
 
-    def __call__(self, graph: fx.Graph) -> None:
-        fuse_grouped_conv_double_backward(graph)
-        if self.channels_last:
-            channels_last_grouped_convs(graph, self.min_group_channels,
-                                        auto=self.channels_last == "auto")
+        def __init__(self, channels_last: bool | Literal["auto"] = "auto",
+                     min_group_channels: int = 16) -> None:
+            if channels_last not in (True, False, "auto"):
+                raise ValueError(f"channels_last: expected True, False or 'auto', got "
+                                 f"{channels_last!r}")
+            self.channels_last, self.min_group_channels = channels_last, min_group_channels
 
-    def uuid(self) -> Any:
-        h = hashlib.sha256()
-        for path in (__file__, _conv_layout.__file__):
-            with open(path, "rb") as f:
-                h.update(f.read())
-        # "auto" reads the cuDNN TF32 switch when the pass runs: part of the cache key
-        tf32 = bool(torch.backends.cudnn.allow_tf32) if self.channels_last == "auto" else None
-        h.update(f"{self.channels_last}:{self.min_group_channels}:{tf32}".encode())
-        return h.hexdigest()
+        def __call__(self, graph: fx.Graph) -> None:
+            fuse_grouped_conv_double_backward(graph)
+            if self.channels_last:
+                channels_last_grouped_convs(graph, self.min_group_channels,
+                                            auto=self.channels_last == "auto")
+
+        def uuid(self) -> Any:
+            h = hashlib.sha256()
+            for path in (__file__, _conv_layout.__file__):
+                with open(path, "rb") as f:
+                    h.update(f.read())
+            # "auto" reads the cuDNN TF32 switch when the pass runs: part of the cache key
+            tf32 = bool(torch.backends.cudnn.allow_tf32) if self.channels_last == "auto" else None
+            h.update(f"{self.channels_last}:{self.min_group_channels}:{tf32}".encode())
+            return h.hexdigest()
+
+    GroupedConvDoubleBackwardPass.__module__ = __name__
+    return GroupedConvDoubleBackwardPass
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GroupedConvDoubleBackwardPass":
+        return _pass_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def inductor_options(channels_last: bool | Literal["auto"] = "auto") -> dict[str, Any]:
@@ -248,4 +264,4 @@ def inductor_options(channels_last: bool | Literal["auto"] = "auto") -> dict[str
         >>> sorted(inductor_options())
         ['post_grad_custom_pre_pass']
     """
-    return {"post_grad_custom_pre_pass": GroupedConvDoubleBackwardPass(channels_last)}
+    return {"post_grad_custom_pre_pass": _pass_class()(channels_last)}

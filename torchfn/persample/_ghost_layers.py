@@ -302,11 +302,16 @@ class _LinearLike(Prepared):
         return out
 
 
-@torch.compiler.assume_constant_result
 def _fp32_matmul_is_highest() -> bool:
     """Whether float32 matmuls run in full fp32 (no TF32); read once per compile (a speed
     choice only: both paths give the same numbers up to rounding)."""
     return torch.get_float32_matmul_precision() == "highest"
+
+
+# what ``torch.compiler.assume_constant_result`` sets (Dynamo calls the function and keeps the
+# result as a constant), set here without that call's import of torch._dynamo, which would
+# add seconds to ``import torchfn`` in programs that never compile (a test checks the name)
+_fp32_matmul_is_highest._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _weighted_gemm(a: Tensor, g: Tensor, c: Tensor, transposed: bool = False) -> Tensor:

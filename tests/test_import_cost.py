@@ -1,0 +1,41 @@
+"""``import torchfn`` leaves Dynamo and Inductor unimported (seconds a program that never
+compiles -- or each data-loader worker -- would pay); they load on first use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sorted(sys.modules)))"],
+        check=True, capture_output=True, text=True, timeout=300)
+    return set(out.stdout.split())
+
+
+def test_import_torchfn_does_not_import_dynamo_or_inductor() -> None:
+    mods = _modules_after("import torchfn, torchfn.persample, torchfn.meta, torchfn.compile")
+    assert "torchfn.persample" in mods
+    assert "torch._dynamo" not in mods and "torch._inductor.custom_graph_pass" not in mods
+    assert "torchfn.distributed" not in mods  # on first use
+    used = _modules_after("import torchfn\nassert torchfn.distributed.__name__ == "
+                          "'torchfn.distributed'\nfrom torchfn.compile import inductor_options\n"
+                          "inductor_options()")
+    assert {"torchfn.distributed", "torch._dynamo", "torch._inductor.custom_graph_pass"} <= used
+
+
+def test_the_constant_marker_is_the_one_torch_sets() -> None:
+    """``_ghost_layers`` marks a function as ``assume_constant_result`` does, by attribute,
+    to keep ``torch._dynamo`` unimported; this fails if torch renames the attribute."""
+    from torchfn.persample import _ghost_layers
+
+    def f() -> int:
+        return 0
+
+    marked = torch.compiler.assume_constant_result(f)
+    names = {k for k, v in vars(marked).items() if v is True}
+    assert names == {"_dynamo_marked_constant"}, names
+    assert _ghost_layers._fp32_matmul_is_highest._dynamo_marked_constant is True
