@@ -637,3 +637,39 @@ def test_autocast_layers_record_the_cast_input_once() -> None:
         scale = float(v.abs().max())  # bf16 rounding of the inputs: relative to the largest
         torch.testing.assert_close(summed[k].float(), v, rtol=0, atol=3e-2 * scale)
         torch.testing.assert_close(summed_c[k].float(), v, rtol=0, atol=3e-2 * scale)
+
+
+@pytest.mark.parametrize("region", ["disabled", "float16"])
+def test_shared_cast_respects_an_autocast_region(region) -> None:
+    """A tensor read by a layer under bf16 autocast and by another inside a region that
+    disables autocast (a float32 router, say) or switches it to float16: the second layer gets
+    the float32 tensor or its own float16 cast, never the first one's bf16 cast, and both
+    layers' per-sample norms match the float32 pass up to rounding."""
+    inner = (torch.autocast("cpu", enabled=False) if region == "disabled"
+             else torch.autocast("cpu", dtype=torch.float16))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            y = self.a(x)
+            with inner:
+                z = self.b(x)
+            return y.float() + z.float()
+
+    torch.manual_seed(7)
+    net = Net()
+    seen: list[torch.dtype] = []
+    net.b.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    ghost, params, buffers = make_ghost_model(net)
+    x, y = torch.randn(4, 5, 6), torch.randn(4, 5, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = ghost.per_sample(params, buffers, x, y, sq_loss).grads
+    assert seen and set(seen) == {torch.float32 if region == "disabled" else torch.float16}
+    ref = ghost.per_sample(params, buffers, x, y, sq_loss).grads
+    per = res.sq_norms(per_layer=True)
+    want = ref.sq_norms(per_layer=True)
+    torch.testing.assert_close(per["b"].float(), want["b"], rtol=2e-2, atol=0)
+    torch.testing.assert_close(per["a"].float(), want["a"], rtol=5e-2, atol=0)

@@ -133,13 +133,17 @@ def autocast_input(x: Any) -> Any:
     tape records that one cast tensor for the per-sample work: a compiled step computes the
     cast (and an elementwise producer fused into it, such as an activation) once instead of
     once for the layer and again for each per-sample use."""
+    dtype = _autocast_target(x)
+    return x if dtype is None else x.to(dtype)
+
+
+def _autocast_target(x: Any) -> torch.dtype | None:
+    """The dtype :func:`autocast_input` casts ``x`` to, or None where it leaves it."""
     if not isinstance(x, Tensor) or x.dtype != torch.float32 or x.device.type not in (
             "cuda", "cpu"):
-        return x
+        return None
     device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return x
-    return x.to(torch.get_autocast_dtype(device))
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 class Tap(nn.Module):
@@ -186,15 +190,16 @@ class Tap(nn.Module):
 
     def _cast(self, x: Any) -> Any:
         """:func:`autocast_input` of ``x``; while recording, one cast per input tensor."""
-        tape = self._tape
+        tape, dtype = self._tape, _autocast_target(x)
+        if dtype is None:
+            return x
         if tape.mode != "record":
-            return autocast_input(x)
-        for src, cast in tape.casts:
-            if src is x:
+            return x.to(dtype)
+        for src, cast in tape.casts:  # (the same autocast dtype: a region may change it)
+            if src is x and cast.dtype == dtype:
                 return cast
-        cast = autocast_input(x)
-        if cast is not x:
-            tape.casts.append((x, cast))
+        cast = x.to(dtype)
+        tape.casts.append((x, cast))
         return cast
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
