@@ -125,20 +125,9 @@ def _expand(t: Any, batch: int) -> Any:
     return t
 
 
-def autocast_input(x: Any) -> Any:
-    """``x`` cast to the autocast dtype where autocast would cast it for a linear or conv op
-    (a float32 tensor on a device with autocast on), else ``x`` itself.
-
-    The layer then computes with exactly the values autocast would have given it, and the
-    tape records that one cast tensor for the per-sample work: a compiled step computes the
-    cast (and an elementwise producer fused into it, such as an activation) once instead of
-    once for the layer and again for each per-sample use."""
-    dtype = _autocast_target(x)
-    return x if dtype is None else x.to(dtype)
-
-
 def _autocast_target(x: Any) -> torch.dtype | None:
-    """The dtype :func:`autocast_input` casts ``x`` to, or None where it leaves it."""
+    """The dtype autocast would cast ``x`` to for a linear or conv op (a float32 tensor on a
+    device with autocast on), else None."""
     if not isinstance(x, Tensor) or x.dtype != torch.float32 or x.device.type not in (
             "cuda", "cpu"):
         return None
@@ -150,8 +139,8 @@ class Tap(nn.Module):
     """Calls ``inner`` and, while the tape records, logs its inputs and adds the probes.
 
     With ``cast_input`` (linear and conv layers) a single float32 input is first cast to the
-    autocast dtype where autocast is on (:func:`autocast_input`); while recording, taps given
-    the same tensor share its one cast."""
+    autocast dtype where autocast is on (:meth:`_cast`); while recording, taps given the same
+    tensor share its one cast."""
 
     def __init__(self, inner: nn.Module, name: str, tape: Tape, *,
                  expand_shared: bool = True, cast_input: bool = False) -> None:
@@ -189,7 +178,13 @@ class Tap(nn.Module):
         return f"tap of {type(self._inner).__name__} {self._tap_name!r}"
 
     def _cast(self, x: Any) -> Any:
-        """:func:`autocast_input` of ``x``; while recording, one cast per input tensor."""
+        """``x`` cast to the autocast dtype where autocast would cast it (else ``x``); while
+        recording, one cast per input tensor and dtype.
+
+        The layer then computes with exactly the values autocast would have given it, and the
+        tape records that one cast tensor for the per-sample work: a compiled step computes the
+        cast (and an elementwise producer fused into it, such as an activation) once instead
+        of once for the layer and again for each per-sample use."""
         tape, dtype = self._tape, _autocast_target(x)
         if dtype is None:
             return x
