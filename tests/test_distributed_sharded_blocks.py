@@ -387,6 +387,8 @@ def test_cpu_peak_of_forward_backward_holds_one_gradient_not_two(world_of_one):
     reduce-scatter work kept its input (gloo: a copy, NCCL: the stashed flat gradient) until
     the step read the gradients -- a second gradient at the peak (2.28x the params here, 2.14x
     on an H100 with torch 2.11)."""
+    import gc
+
     import torchopt
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -410,11 +412,17 @@ def test_cpu_peak_of_forward_backward_holds_one_gradient_not_two(world_of_one):
     x = torch.randn(4, d)
     pending: list[int] = []
     _blocks._ON_GATHER = lambda full: pending.append(pending_works())
+    # the cyclic collector off while profiling: a collection inside the step moved the peak by
+    # up to half the params between runs (1.40x alone, 1.90x after a gc.collect(), 2.15x inside
+    # one CI run), which is the collector's timing, not what the step's references hold
+    gc.collect()
+    gc.disable()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                      acc_events=True) as prof:  # (acc_events: no warning on torch 2.11)
             step(state, (x, torch.zeros_like(x)))
     finally:
+        gc.enable()
         _blocks._ON_GATHER = None
     assert pending == [0] * (2 * n)  # the forward's gathers, then the backward's regathers
     assert pending_works() == 0
@@ -427,10 +435,10 @@ def test_cpu_peak_of_forward_backward_holds_one_gradient_not_two(world_of_one):
         live += e.nbytes()
         peak = max(peak, live)
     # gradient shards (all params at world 1) + the block in backward (its gradient, the
-    # packed reduce-scatter input and output, gloo's copy of it): 1.40x alone, 1.65x seen inside
-    # the full suite (the profiler's memory events are process-wide); un-waited it was 2.28x.
-    # The exact check is the work registry above; this bound separates the two cases
-    assert peak <= p_bytes + 8 * block, f"{peak / p_bytes:.2f}x the params"
+    # packed reduce-scatter input and output, gloo's copy of it): 1.40x; un-waited 2.28x (with
+    # the collector on or off). The exact check is the work registry above; this bound
+    # separates the two cases
+    assert peak <= p_bytes + 6 * block, f"{peak / p_bytes:.2f}x the params"
 
 
 @pytest.mark.gpu
