@@ -24,6 +24,13 @@ before 2.11, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
 ``d_in + d_out`` above :data:`MAX_WIDTH` with small tiles, empty inputs,
 ``TORCHFN_OPS=reference``). More than 65535 samples (CUDA's limit on a grid's third
 dimension) run as several launches.
+
+The op is registered on first use outside a compiled function (:func:`ensure_registered`:
+:func:`torchfn.persample.make_ghost_model` calls it, and so does an eager call here), not at
+import: registering a ``triton_op`` imports Dynamo and Inductor (seconds), which a program that
+never compiles -- or each data-loader worker -- need not pay. Dynamo cannot register it while
+tracing, so a compiled function whose first call reaches :func:`fused_gram_norms_sq` before any
+eager use gets ``None`` (the plain form) until :func:`ensure_registered` has run.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from torch import Tensor
 
 from torchfn.ops import _build
 
-__all__ = ["MAX_WIDTH", "fused_gram_norms_sq", "gram_norms_config"]
+__all__ = ["MAX_WIDTH", "ensure_registered", "fused_gram_norms_sq", "gram_norms_config"]
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it
     import triton
@@ -147,12 +154,8 @@ _STRIDES_KEPT = torch.torch_version.TorchVersion(torch.__version__) >= "2.11"
 
 
 def _register() -> bool:
-    """Register ``torchfn::ghost_gram_norms_sq``; False where this torch or install cannot.
-
-    Done at import: Dynamo refuses to trace ``triton_op`` itself, so a first call inside a
-    compiled function could not register it.
-    """
-    if triton is None or not hasattr(torch.library, "triton_op") or not _STRIDES_KEPT:
+    """Register ``torchfn::ghost_gram_norms_sq``; False where this torch or install cannot."""
+    if not _AVAILABLE:
         return False
     from torch.library import triton_op, wrap_triton
 
@@ -173,7 +176,19 @@ def _register() -> bool:
     return True
 
 
-_REGISTERED = _register()
+# whether this install can run the op at all (no import of Dynamo or Inductor to find out)
+_AVAILABLE = (triton is not None and hasattr(torch.library, "triton_op") and _STRIDES_KEPT)
+_REGISTERED = False  # set by ensure_registered
+
+
+def ensure_registered() -> bool:
+    """Register the op now if this install can run it (Triton present, torch >= 2.11); return
+    whether it is registered. Idempotent; called outside compiled functions (Dynamo cannot trace
+    the registration), e.g. by :func:`torchfn.persample.make_ghost_model`."""
+    global _REGISTERED
+    if not _REGISTERED and _AVAILABLE:
+        _REGISTERED = _register()
+    return _REGISTERED
 
 
 def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | None:
@@ -204,6 +219,8 @@ def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | No
         return None
     if torch.is_grad_enabled() and (a.requires_grad or g.requires_grad):
         return None
-    if not _REGISTERED or _build.mode() == "reference":
+    if not _AVAILABLE or _build.mode() == "reference":
         return None
+    if not _REGISTERED and (torch.compiler.is_compiling() or not ensure_registered()):
+        return None  # first reached while tracing: cannot register here (module doc)
     return torch.ops.torchfn.ghost_gram_norms_sq(a, g, bool(bias))
