@@ -325,6 +325,12 @@ def test_argument_errors() -> None:
     state = init_dp_state(params, buffers, opt, seed=0)
     with pytest.raises(ValueError, match="valid must have shape"):
         step(state, (torch.randn(4, 3), torch.randint(0, 2, (4,))), torch.ones(3, dtype=bool))
+    # a non-bool mask would weight the clipped gradients (indices: weights 0..B-1) and break
+    # the sensitivity the noise is calibrated to: refused, naming the dtype seen
+    batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    for bad in (torch.arange(4), torch.full((4,), 3.0), torch.ones(4, dtype=torch.uint8)):
+        with pytest.raises(TypeError, match=f"valid must be a torch.bool tensor.*{bad.dtype}"):
+            step(state, batch, bad)
 
 
 def test_forward_that_updates_buffers_is_refused() -> None:

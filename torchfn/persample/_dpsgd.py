@@ -703,7 +703,16 @@ def check_buffers_unchanged(new_buffers: Mapping[str, Tensor],
 
 
 def check_valid(valid: Tensor, losses: Tensor) -> None:
-    """Raise ``ValueError`` unless ``valid`` has the ``(B,)`` shape of the per-sample losses."""
+    """Raise unless ``valid`` is a ``torch.bool`` tensor of the ``(B,)`` shape of the per-sample
+    losses. Bool only: the mask weights each clipped gradient by 0 or 1, so integer indices or
+    float weights passed here would change the sensitivity the noise is calibrated to."""
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+        what = (f"a tensor of dtype {valid.dtype}" if isinstance(valid, Tensor)
+                else type(valid).__name__)
+        raise TypeError(
+            f"DP-SGD step: valid must be a torch.bool tensor (True for the real examples of "
+            f"the batch, False for padding), got {what}; a mask from indices is e.g. "
+            f"torch.zeros(B, dtype=torch.bool).index_fill_(0, idx, True)")
     if valid.shape != losses.shape:
         raise ValueError(f"DP-SGD step: valid must have shape {tuple(losses.shape)} (one "
                          f"flag per example of the batch), got {tuple(valid.shape)}")
