@@ -421,10 +421,13 @@ def test_ekfac_other_layers():
         fit_ekfac(ghost, params, buffers, xent, x, y, fisher="sampled")
 
 
-def test_ghost_model_leaves_frozen_parameters_out():
+@pytest.mark.parametrize("make", [make_ghost_model, make_functional])
+def test_frozen_parameters_are_left_out(make):
+    """Frozen params (requires_grad=False) are not in the gradients or the Hessian, with a
+    GhostModel and with make_functional's model_fn alike (the latter once counted them)."""
     net = _mlp(4)
     net[0].requires_grad_(False)
-    ghost, params, buffers = make_ghost_model(net)
+    ghost, params, buffers = make(net)
     assert ghost.trainable == ("2.weight", "2.bias")
     x, y = _data(10, 10)
     xq, yq = _data(2, 11)
@@ -443,8 +446,19 @@ def test_ghost_model_leaves_frozen_parameters_out():
     got = influence_scores(ghost, params, buffers, xent, (x, y), (xq, yq), damping=lam,
                            tol=1e-12)
     torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-10)
-    ek = fit_ekfac(ghost, params, buffers, xent, x, y)
-    assert list(ek.layers) == ["2"] and ek.identity == ()
+    gq, gx = grads(xq, yq), grads(x, y)
+    torch.testing.assert_close(  # gradient similarity: only the trainable params' gradients
+        influence_scores(ghost, params, buffers, xent, (x, y), (xq, yq), damping=2.0,
+                         method="identity"), -(gq @ gx.T) / 2.0, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(self_influence(ghost, params, buffers, xent, (x, y),
+                                              method="identity", damping=2.0),
+                               gx.square().sum(1) / 2.0, rtol=1e-9, atol=1e-12)
+    if make is make_ghost_model:
+        ek = fit_ekfac(ghost, params, buffers, xent, x, y)
+        assert list(ek.layers) == ["2"] and ek.identity == ()
+    net.requires_grad_(False)
+    with pytest.raises(ValueError, match="every parameter is frozen"):
+        influence_scores(make(net)[0], params, buffers, xent, (x, y), (xq, yq), damping=1.0)
 
 
 def test_cg_on_the_gauss_newton_matrix_with_cross_entropy():

@@ -175,9 +175,15 @@ def _setup(model_fn: Any, params: Mapping[str, Tensor], buffers: Mapping[str, Te
     if not callable(model_fn) or not callable(loss_fn):
         raise TypeError(f"{where}: model_fn and loss_fn must be callables, got "
                         f"{type(model_fn).__name__} and {type(loss_fn).__name__}")
-    trainable = model_fn.trainable if isinstance(model_fn, GhostModel) else tuple(params)
-    return (_loss_vector(model_fn, params, buffers, loss_fn, where),
-            {k: params[k] for k in trainable})
+    # frozen params (requires_grad=False in the module: the model_fn's ``frozen``, from
+    # make_functional or make_ghost_model) are not trained, so they are not part of the
+    # gradients and curvature the scores are made of
+    frozen = set(getattr(model_fn, "frozen", ()))
+    trainable = {k: t for k, t in params.items() if k not in frozen}
+    if not trainable:
+        raise ValueError(f"{where}: every parameter is frozen (model_fn.frozen = "
+                         f"{sorted(frozen)}): there is no gradient to attribute with")
+    return _loss_vector(model_fn, params, buffers, loss_fn, where), trainable
 
 
 def influence_scores(model_fn: Any, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
@@ -194,8 +200,9 @@ def influence_scores(model_fn: Any, params: Mapping[str, Tensor], buffers: Mappi
     -1/N``. ``H`` is the Hessian of the MEAN training loss over ``hessian_data`` (default
     ``train``), at ``params``.
 
-    ``model_fn(params, buffers, inputs) -> (outputs, new_buffers)`` (:func:`make_functional`'s,
-    or a :class:`GhostModel`, whose frozen parameters are then left out); ``loss_fn(outputs,
+    ``model_fn(params, buffers, inputs) -> (outputs, new_buffers)`` (:func:`make_functional`'s
+    or a :class:`GhostModel`; the parameters it records as frozen, ``requires_grad=False`` in
+    the module, are left out: gradients and curvature are over the trained ones); ``loss_fn(outputs,
     targets) -> (B,)`` per-sample losses; ``train`` and ``query`` are ``(inputs, targets)``.
 
     Computed as: the ``N_query`` query gradients (``jacrev``), ``N_query`` inverse-HVPs, then
