@@ -20,6 +20,8 @@ kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -81,15 +83,57 @@ def second_order_context(layer_norm: bool = True) -> Iterator[None]:
         yield
 
 
+_LAYER_NORM_NAMES = frozenset({"layer_norm", "native_layer_norm"})
+
+
+def _code_calls_layer_norm(code: types.CodeType, owner: type | None, scope: dict[str, Any],
+                           depth: int, seen: set[types.CodeType]) -> bool:
+    """Whether ``code`` names ``layer_norm`` (``F.layer_norm``, ``torch.layer_norm``, ...), in
+    itself, its nested functions, or -- ``depth`` levels down -- the functions of its module
+    (``scope``, its globals) and the methods of ``owner`` (its class) that it names."""
+    if code in seen:
+        return False
+    seen.add(code)
+    if _LAYER_NORM_NAMES & set(code.co_names):
+        return True
+    for const in code.co_consts:  # nested functions, lambdas, comprehensions
+        if isinstance(const, types.CodeType) and _code_calls_layer_norm(
+                const, owner, scope, depth, seen):
+            return True
+    if depth == 0:
+        return False
+    for name in code.co_names:
+        for where in (owner, scope):
+            target = (getattr(where, name, None) if isinstance(where, type)
+                      else where.get(name) if isinstance(where, dict) else None)
+            target = getattr(target, "__func__", target)  # classmethod/staticmethod
+            if isinstance(target, types.FunctionType) and _code_calls_layer_norm(
+                    target.__code__, owner, target.__globals__, depth - 1, seen):
+                return True
+    return False
+
+
+@functools.cache
+def _class_calls_layer_norm(cls: type) -> bool:
+    """Whether ``cls.forward`` (or what it calls, two levels deep) names ``layer_norm``."""
+    forward = getattr(cls, "forward", None)
+    if not isinstance(forward, types.FunctionType):
+        return True  # not Python code we can read: assume it may
+    return _code_calls_layer_norm(forward.__code__, cls, forward.__globals__, 2, set())
+
+
 def may_use_layer_norm(model_fn: Any) -> bool:
     """False only for a model whose modules are known and hold no layer norm.
 
-    A :class:`torchfn.functional.FunctionalModel` is inspected (``nn.LayerNorm``, subclasses,
-    and any module whose class name says LayerNorm, e.g. Hugging Face's); any other callable
-    may call ``F.layer_norm`` anywhere, so it counts as using one.
+    A :class:`torchfn.functional.FunctionalModel` is inspected: ``nn.LayerNorm`` and its
+    subclasses, any module whose class name says LayerNorm (e.g. Hugging Face's), and any
+    module whose ``forward`` names ``layer_norm`` -- a user's own norm module or a QK-norm
+    written inline, ``F.layer_norm(...)`` -- in its code, its nested functions, or the
+    functions and methods it calls, two levels deep. Any other callable may call
+    ``F.layer_norm`` anywhere, so it counts as using one.
     """
     modules = getattr(model_fn, "modules", None)
     if not isinstance(model_fn, FunctionalModel) or modules is None:
         return True
     return any(isinstance(m, torch.nn.LayerNorm) or "layernorm" in type(m).__name__.lower()
-               for m in modules())
+               or _class_calls_layer_norm(type(m)) for m in modules())
