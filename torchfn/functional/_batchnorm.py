@@ -109,17 +109,24 @@ def functional_batch_norm(
                 "functional_batch_norm(x, ...): expected more than 1 value per channel when "
                 f"training, got input of shape {tuple(x.shape)} (per-example shape if under vmap)"
             )
-        mean = x.mean(dim=reduce_dims)
-        var = x.var(dim=reduce_dims, correction=0)
+    # float16/bfloat16 inputs (autocast, or a half model) are normalised in float32, as torch's
+    # batch norm kernels do, and y comes back in the input's dtype
+    out_dtype = x.dtype
+    h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if use_batch_stats:
+        mean = h.mean(dim=reduce_dims)
+        var = h.var(dim=reduce_dims, correction=0)
     else:
         mean, var = running_mean, running_var  # type: ignore[assignment]
 
     invstd = torch.rsqrt(var + eps)
-    y = (x - mean.reshape(stat_shape)) * invstd.reshape(stat_shape)
+    y = (h - mean.reshape(stat_shape)) * invstd.reshape(stat_shape)
     if weight is not None:
         y = y * weight.reshape(stat_shape)
     if bias is not None:
         y = y + bias.reshape(stat_shape)
+    if h is not x:
+        y = y.to(out_dtype)
 
     new_mean, new_var, new_count = running_mean, running_var, num_batches_tracked
     if update:
