@@ -206,9 +206,11 @@ def _check_metrics(cfg: dict, metrics_per_step: list, skipped_ref: list, member=
     for t, m in enumerate(metrics_per_step):
         sk = m["skipped"] if member is None else m["skipped"][member]
         assert bool(sk) == skipped_ref[t], (t, m)
-        if cfg["sched"]:
-            torch.testing.assert_close(m["lr"], torch.tensor(float(_sched(torch.tensor(t))),
-                                                             dtype=torch.float32))
+        if cfg["sched"]:  # the lr applied: the schedule at the optimizer's count
+            lr = m["lr"] if member is None or m["lr"].dim() == 0 else m["lr"][member]
+            applied = t - sum(skipped_ref[:t])
+            torch.testing.assert_close(lr, torch.tensor(float(_sched(torch.tensor(applied))),
+                                                        dtype=torch.float32))
     if cfg["amp"] == "fp16":
         scale = metrics_per_step[-1]["loss_scale"]
         scale = scale if member is None else scale[member]

@@ -199,6 +199,33 @@ def test_lr_schedule_matches_lambda_lr():
     torch.testing.assert_close(lrs, expected)
 
 
+def test_lr_metric_is_the_lr_applied_after_a_skipped_step():
+    """A skipped step keeps the optimizer state, so the schedule's count stays; the metric
+    reports the lr the next step applies (it was one schedule step ahead after each skip)."""
+    model_fn, params, buffers = functional(make_mlp())
+
+    def sched(count):
+        return 0.1 * 0.5 ** torch.as_tensor(count, dtype=torch.float64)
+
+    opt = torchopt.sgd(sched)
+    step = make_train_step(model_fn, mse, opt, lr_schedule=sched)
+    state = init_train_state(params, buffers, opt, seed=0)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    lrs = []
+    for t in range(4):
+        xt = x.clone()
+        if t == 1:
+            xt[0, 0] = float("nan")  # a non-finite loss: skipped
+        before = state.params
+        g = torch.func.grad(lambda p, xt=xt: mse(model_fn(p, buffers, xt)[0], y))(dict(before))
+        state, m = step(state, (xt, y))
+        lrs.append(float(m["lr"]))
+        if t != 1:  # the update applied is exactly the reported lr times the gradient
+            k = next(iter(before))
+            torch.testing.assert_close(before[k] - state.params[k], float(m["lr"]) * g[k])
+    assert lrs == pytest.approx([0.1, 0.05, 0.05, 0.025]) and int(state.skipped) == 1
+
+
 def test_compiled_equals_eager_without_recompiles():
     from torch._inductor.compile_fx import compile_fx
 

@@ -131,7 +131,8 @@ class StepOptions:
         max_grad_norm: clip the gradient to this global L2 norm (per member for ensembles).
         clip_value: clamp every gradient element to ``[-clip_value, clip_value]``; applied
             before the global-norm clip.
-        lr_schedule: the float or schedule given to the optimizer, for ``metrics["lr"]``.
+        lr_schedule: the float or schedule given to the optimizer, for ``metrics["lr"]`` (at
+            the optimizer's count: ``state.step`` minus the state's ``skipped``).
         skip_nonfinite: skip a step whose loss or gradients are not finite (params, buffers,
             optimizer state keep their old values; counted in ``metrics["skipped"]`` and the
             state's ``skipped``). Costs no host sync. fp16 always skips such steps.
@@ -656,7 +657,10 @@ def apply_gradients(
         fields["loss_scale"] = update_loss_scale(loss_scale, finite, opts.scaler)
         metrics["loss_scale"] = fields["loss_scale"].scale
     if opts.lr_schedule is not None:
-        lr = opts.lr_schedule(state.step) if callable(opts.lr_schedule) else opts.lr_schedule
+        # the schedule's count in the optimizer state advances only on applied steps (a
+        # skipped step keeps opt_state), so the lr applied now is at step - skipped
+        count = state.step if skipped is None else state.step - skipped
+        lr = opts.lr_schedule(count) if callable(opts.lr_schedule) else opts.lr_schedule
         metrics["lr"] = torch.as_tensor(lr, dtype=torch.float32)
     new_state = _replace(state, params=new_params, buffers=new_buffers, opt_state=opt_state,
                                step=state.step + 1, **fields)

@@ -262,7 +262,9 @@ def make_train_step(
       Unlike ``torch.amp.GradScaler``, a skipped step also drops the forward's buffer updates, so
       a non-finite forward cannot poison BatchNorm running stats.
     - ``lr_schedule`` (optional, the float or schedule given to the optimizer) adds
-      ``metrics["lr"]``, evaluated at ``state.step``.
+      ``metrics["lr"]``: the lr this step applies, the schedule at the optimizer's count
+      (``state.step - state.skipped``: skipped steps leave the optimizer state, and so the
+      schedule, where it was).
     - ``seed_rng`` (eager only): seed this step's randomness from ``(state.seed, state.step)``
       (:func:`step_rng`); pass ``False`` to use the global generators as they are (e.g. under
       ``vmap`` over states).
