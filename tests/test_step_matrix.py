@@ -700,6 +700,10 @@ def test_step_options_errors() -> None:
         StepOptions(trainable="0.weight")
     with pytest.raises(ValueError, match=r"names \['nope'\] are not params"):
         StepOptions(trainable=["nope"]).trainable_names(["w"])
+    # a filter matching nothing (e.g. "head." where the head is tied to the embedding, so keyed
+    # by the embedding's name) would train nothing without a word
+    with pytest.raises(ValueError, match=r"the filter selects none of the params.*tied weight"):
+        StepOptions(trainable=lambda n: n.startswith("head.")).trainable_names(["embed.weight"])
 
 
 def test_apply_gradients_fp16_needs_loss_scale() -> None:

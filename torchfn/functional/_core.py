@@ -219,12 +219,18 @@ class StepOptions:
         t = self.trainable
         if t is None:
             return tuple(n for n in names if n not in frozen)
+        alias = ("a tied weight (one tensor under several names, e.g. an LM head tied to the "
+                 "embedding) is keyed by its first name only")
         if callable(t):
-            return tuple(n for n in names if t(n))
+            out = tuple(n for n in names if t(n))
+            if not out:  # a filter matching nothing would silently train nothing
+                raise ValueError(f"{self.where}(trainable=...): the filter selects none of the "
+                                 f"params {names}; {alias}")
+            return out
         unknown = sorted(set(t) - set(names))
         if unknown:
             raise ValueError(f"{self.where}(trainable=...): names {unknown} are not params; "
-                             f"the params are {names}")
+                             f"the params are {names} ({alias})")
         return tuple(n for n in names if n in t)
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
