@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import zoo
 from torch import nn
 from torch.func import hessian, jacrev, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchfn.functional import hessian_matrix, make_functional, tree_ravel
 from torchfn.persample import (
@@ -479,3 +480,38 @@ def test_cg_on_the_gauss_newton_matrix_with_cross_entropy():
                            curvature="ggn", damping=0.01, tol=1e-12)
     inv = torch.linalg.solve(ggn + 0.01 * torch.eye(ggn.shape[0], dtype=D), gt.T)
     torch.testing.assert_close(selfs, (gt * inv.T).sum(1), rtol=1e-7, atol=1e-10)
+
+
+def test_attention_models_run_on_the_math_attention_kernel():
+    """On an nn.TransformerEncoder (SDPA inside): influence scores and Hessian-vector products
+    run (the fused CPU kernel has no double backward / forward-mode rule: torch's raw error
+    before) and equal references computed on the math kernel."""
+    from torchfn.functional import hvp
+
+    e = zoo.build("tfm_encoder")
+    x, y = e.batch(4, 0)
+    xq, yq = e.batch(2, 1)
+    model_fn, params, buffers = make_functional(e.module)
+    names = sorted(params)
+
+    def grads(xs, ys):
+        named = dict(e.module.named_parameters())
+        return torch.stack([torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+            e.loss_fn(e.forward(xs[i:i + 1]), ys[i:i + 1])[0], [named[k] for k in names])])
+            for i in range(xs.shape[0])])
+
+    got = influence_scores(model_fn, params, buffers, e.loss_fn, (x, y), (xq, yq),
+                           method="identity", damping=4.0)
+    torch.testing.assert_close(got, -(grads(xq, yq) @ grads(x, y).T) / 4.0)
+    v = {k: torch.randn_like(t) for k, t in params.items()}
+
+    def f(p):
+        return e.loss_fn(model_fn(p, buffers, x)[0], y).mean()
+
+    with sdpa_kernel(SDPBackend.MATH):
+        want = torch.func.jvp(torch.func.grad(f), (params,), (v,))[1]
+    got_hvp = hvp(f, params, v)
+    for k in params:
+        torch.testing.assert_close(got_hvp[k], want[k])
+    assert influence_scores(model_fn, params, buffers, e.loss_fn, (x, y), (xq, yq),
+                            damping=10.0, curvature="ggn").shape == (2, 4)

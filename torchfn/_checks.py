@@ -8,6 +8,7 @@ here when more than one package needs it. Nothing here is public API.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -508,3 +509,21 @@ def _leading_size(tree: Any, where: str, what: str = "inputs") -> int:
             return int(leaf.shape[0])
     raise ValueError(f"{where}: {what} holds no tensor (got {type(tree).__name__}); expected a "
                      "tensor or a dict of tensors with a leading dim 0")
+
+
+def math_attention(fn: Any) -> Any:
+    """Decorate ``fn`` to run with ``scaled_dot_product_attention`` on its math kernel.
+
+    For transforms that differentiate twice or in forward mode (Hessian-vector products,
+    influence functions, NTKs): the fused kernels (flash, memory-efficient, the CPU flash
+    kernel) have no double backward and no forward-mode rule, so attention models failed
+    deep inside torch. The math kernel computes the same attention from matmuls and softmax.
+    """
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return fn(*args, **kwargs)
+
+    return wrapped

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
-from torchfn._checks import _call_translated, _check_randomness
+from torchfn._checks import _call_translated, _check_randomness, math_attention
 from torchfn.functional._batchnorm import BatchNorm
 from torchfn.functional._pytree import (
     _check_same_structure,
@@ -400,6 +400,7 @@ def per_sample_grad_norms(
 # ---------------------------------------------------------------------------------------------
 
 
+@math_attention
 def hvp(
     f: Callable[..., torch.Tensor],
     params: PyTree,
@@ -448,6 +449,7 @@ def hvp(
     return vjp_fn(v)[0]
 
 
+@math_attention
 def hessian_matrix(f: Callable[..., torch.Tensor], params: PyTree, *args: Any) -> torch.Tensor:
     """Return the dense Hessian of ``f(params, *args)`` as a ``(P, P)`` matrix.
 
@@ -468,6 +470,7 @@ def hessian_matrix(f: Callable[..., torch.Tensor], params: PyTree, *args: Any) -
     return torch.func.hessian(lambda vec: checked(unravel(vec), *args))(flat)
 
 
+@math_attention
 def hessian_diagonal(
     f: Callable[..., torch.Tensor],
     params: PyTree,
@@ -549,6 +552,7 @@ def hessian_diagonal(
 # ---------------------------------------------------------------------------------------------
 
 
+@math_attention
 def empirical_ntk(
     f: Callable[[PyTree, Any], torch.Tensor],
     params: PyTree,

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.func import vmap
 
+from torchfn._checks import math_attention
 from torchfn.functional import hvp, tree_map, tree_ravel
 
 __all__ = ["IHVPResult", "inverse_hvp"]
@@ -81,6 +82,7 @@ def _batch_size(args: tuple[Any, ...]) -> int:
     return sizes.pop()
 
 
+@math_attention
 def inverse_hvp(f: Callable[..., Tensor], params: PyTree, v: PyTree, *args: Any,
                 damping: float, method: Literal["cg", "lissa"] = "cg", stacked: bool = False,
                 tol: float = 1e-6, max_iter: int | None = None,

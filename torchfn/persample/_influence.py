@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
-from torchfn._checks import _call_model
+from torchfn._checks import _call_model, math_attention
 from torchfn.persample._attribution import grad_inner_products
 from torchfn.persample._ekfac import EKFAC, ekfac_inverse_hvp, ekfac_self_influence, fit_ekfac
 from torchfn.persample._ghost_norms import GhostModel
@@ -186,6 +186,7 @@ def _setup(model_fn: Any, params: Mapping[str, Tensor], buffers: Mapping[str, Te
     return _loss_vector(model_fn, params, buffers, loss_fn, where), trainable
 
 
+@math_attention
 def influence_scores(model_fn: Any, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
                      loss_fn: LossFn, train: tuple[Any, Any], query: tuple[Any, Any], *,
                      method: Literal["cg", "lissa", "ekfac", "identity"] = "cg",
@@ -256,6 +257,7 @@ def influence_scores(model_fn: Any, params: Mapping[str, Tensor], buffers: Mappi
     return -_dot_train(losses, p0, x, xt, yt)
 
 
+@math_attention
 def self_influence(model_fn: Any, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
                    loss_fn: LossFn, train: tuple[Any, Any], *,
                    method: Literal["cg", "lissa", "ekfac", "identity", "tracin"] = "ekfac",
