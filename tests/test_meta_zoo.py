@@ -417,3 +417,31 @@ def test_meta_train_step_seeds_dropout_from_state_so_steps_repeat():
     other = init_meta_state(learner, params, buffers, opt, seed=5)
     _, mc = step(other, tasks)
     assert not torch.equal(ma["loss"], mc["loss"])  # another seed, other masks
+
+
+def test_frozen_params_are_not_adapted_by_default():
+    """requires_grad=False params (a LoRA base) stay frozen in the inner loop too, unless
+    adapt_filter names them; Meta-SGD learns no inner rate for them."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(D)
+    net[0].requires_grad_(False)
+    model_fn, params, buffers = make_functional(net)
+    assert model_fn.frozen == ("0.weight", "0.bias")
+    g = torch.Generator().manual_seed(1)
+    tasks = Task(torch.randn(3, 5, 4, generator=g, dtype=D), torch.randint(0, 3, (3, 5), generator=g),
+                 torch.randn(3, 4, 4, generator=g, dtype=D), torch.randint(0, 3, (3, 4), generator=g))
+    learner = maml(model_fn, F.cross_entropy, inner_lr=LR, inner_steps=2)
+    assert learner.adapted_names(params) == ["2.weight", "2.bias"]
+    got, _, _ = learner.meta_grad(params, buffers, tasks)
+    ref, _ = _reference(model_fn, F.cross_entropy, params, buffers, tasks, steps=2,
+                        keep=lambda k: k.startswith("2."))
+    _close(got, ref)
+    everything = maml(model_fn, F.cross_entropy, inner_lr=LR, inner_steps=2,
+                      adapt_filter=lambda k: True)  # explicit: the frozen ones adapt too
+    got_all, _, _ = everything.meta_grad(params, buffers, tasks)
+    _close(got_all, _reference(model_fn, F.cross_entropy, params, buffers, tasks, steps=2)[0])
+    assert sorted(meta_sgd(model_fn, F.cross_entropy).init(params)) == sorted(
+        [*params, "inner_lr:2.weight", "inner_lr:2.bias"])
+    net.requires_grad_(False)
+    with pytest.raises(ValueError, match="every param is frozen"):
+        maml(make_functional(net)[0], F.cross_entropy).adapted_names(params)

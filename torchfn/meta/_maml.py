@@ -193,8 +193,11 @@ class MetaLearner:
         self.unfold_convs = unfold_convs
         # what the inner and outer loops call: model_fn, or under torch.compile its twin with
         # unfolded convolutions (_auto_unfold.py)
-        self._model_call = compiled_model_fn(model_fn, unfold_convs,
-                                             adapt_filter or (lambda _: True))
+        # adapt_filter=None adapts every param but the model's frozen ones
+        frozen = frozenset(getattr(model_fn, "frozen", ()))
+        self._adapts: Callable[[str], bool] = (
+            adapt_filter if adapt_filter is not None else (lambda k: k not in frozen))
+        self._model_call = compiled_model_fn(model_fn, unfold_convs, self._adapts)
         self._region_step = torch.compiler.nested_compile_region(make_region_step(
             self._model_call, loss_fn, inner_opt, model_names=self._model_names,
             first_order=self.first_order, lr_prefix=LR_PREFIX if learn_inner_lr else None,
@@ -226,13 +229,14 @@ class MetaLearner:
         return [k for k in meta_params if not k.startswith(LR_PREFIX)]
 
     def adapted_names(self, meta_params: Mapping[str, Tensor]) -> list[str]:
-        """Return the names of the params the inner loop adapts (all, or those ``adapt_filter`` keeps)."""
+        """Return the names of the params the inner loop adapts: those ``adapt_filter`` keeps,
+        by default all but the model's frozen ones (``model_fn.frozen``)."""
         names = self._model_names(meta_params)
-        if self.adapt_filter is None:
-            return names
-        kept = [k for k in names if self.adapt_filter(k)]
+        kept = [k for k in names if self._adapts(k)]
         if not kept:
-            raise ValueError(f"MetaLearner(adapt_filter=...): it keeps none of the params {names}")
+            what = ("adapt_filter=...): it keeps" if self.adapt_filter is not None
+                    else "model_fn=...): every param is frozen (model_fn.frozen), so it adapts")
+            raise ValueError(f"MetaLearner({what} none of the params {names}")
         return kept
 
     def init(self, params: Mapping[str, Tensor]) -> TensorDict:
@@ -627,7 +631,10 @@ def maml(
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
             out-of-place); default ``torchopt.sgd(inner_lr)``.
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
-            (the others stay the meta-params); ``None`` adapts all.
+            (the others stay the meta-params); ``None`` adapts all but the model's frozen
+            params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by
+            :func:`torchfn.functional.make_functional`; a wrapper function has none: pass
+            ``adapt_filter`` then).
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
@@ -696,7 +703,10 @@ def fomaml(
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
             out-of-place); default ``torchopt.sgd(inner_lr)``.
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
-            (the others stay the meta-params); ``None`` adapts all.
+            (the others stay the meta-params); ``None`` adapts all but the model's frozen
+            params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by
+            :func:`torchfn.functional.make_functional`; a wrapper function has none: pass
+            ``adapt_filter`` then).
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
@@ -830,7 +840,10 @@ def meta_sgd(
             out-of-place); default ``torchopt.sgd(1.0)``, whose updates are scaled
             elementwise by the learned rates.
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
-            (the others stay the meta-params); ``None`` adapts all.
+            (the others stay the meta-params); ``None`` adapts all but the model's frozen
+            params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by
+            :func:`torchfn.functional.make_functional`; a wrapper function has none: pass
+            ``adapt_filter`` then).
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
@@ -901,7 +914,10 @@ def reptile(
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
             out-of-place); default ``torchopt.sgd(inner_lr)``.
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
-            (the others stay the meta-params); ``None`` adapts all.
+            (the others stay the meta-params); ``None`` adapts all but the model's frozen
+            params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by
+            :func:`torchfn.functional.make_functional`; a wrapper function has none: pass
+            ``adapt_filter`` then).
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training

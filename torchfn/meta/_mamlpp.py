@@ -542,7 +542,8 @@ def maml_plus_plus(
             them. Works with any module whose stacked tensors are used row by row; torch's
             and torchfn's BatchNorm are what it is meant for.
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
-            (default all; MAML++ leaves BatchNorm params out: ``lambda n: n not in bn``).
+            (default all but the model's frozen params, ``model_fn.frozen``; MAML++ leaves
+            BatchNorm params out: ``lambda n: n not in bn``).
         randomness: the task ``vmap``'s (``"error"``, ``"different"``, ``"same"``).
         unfold_convs: as in :func:`torchfn.meta.maml`: ``"auto"`` (default) computes the
             adapted convolutions as unfold + matmul under ``torch.compile`` on CUDA

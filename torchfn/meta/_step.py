@@ -115,7 +115,8 @@ def make_meta_train_step(
 
     - ``trainable``: the meta-params the outer update trains (default: all but
       ``learner.model_fn.frozen``); no meta-gradient is computed for the others and they
-      never change (the inner loop still adapts what ``adapt_filter`` selects). Build the
+      never change (the inner loop adapts what the learner's ``adapt_filter`` selects, by
+      default all but the frozen params too). Build the
       state with the same set (:func:`init_meta_state` does by default).
     - ``grad_accum_steps=k``: the ``T`` tasks run as ``k`` micro-batches of ``T // k`` tasks
       (``T`` divisible by ``k``), meta-gradients averaged (equal to one step on all tasks).
