@@ -99,11 +99,15 @@ def test_meta_learners_refuse_dropout_by_default_naming_randomness():
     assert "randomness='same'" in repr(maml(model_fn, F.mse_loss, randomness="same"))
 
 
+@pytest.mark.parametrize("chunk_size", [None, 2, 1])
 @pytest.mark.parametrize("first_order", [False, True])
-def test_meta_grad_randomness_same_equals_a_loop_reseeded_before_every_task(first_order):
+def test_meta_grad_randomness_same_equals_a_loop_reseeded_before_every_task(first_order,
+                                                                            chunk_size):
+    """One set of draws for all tasks, chunked or not (each chunk replays the draws)."""
     model_fn, params, buffers, tasks = _dropout_setup()
     build = fomaml if first_order else maml
-    learner = build(model_fn, F.mse_loss, inner_lr=LR, inner_steps=2, randomness="same")
+    learner = build(model_fn, F.mse_loss, inner_lr=LR, inner_steps=2, randomness="same",
+                    chunk_size=chunk_size)
     torch.manual_seed(5)
     got, loss, _ = learner.meta_grad(params, buffers, tasks)
     ref, ref_loss = _reference(model_fn, F.mse_loss, params, buffers, tasks, steps=2,
@@ -445,3 +449,22 @@ def test_frozen_params_are_not_adapted_by_default():
     net.requires_grad_(False)
     with pytest.raises(ValueError, match="every param is frozen"):
         maml(make_functional(net)[0], F.cross_entropy).adapted_names(params)
+
+
+def test_meta_step_randomness_same_with_accumulation_equals_one_batch():
+    """grad_accum_steps micro-batches replay the step's draws: equal to one batch of tasks."""
+    from torchfn.meta import init_meta_state, make_meta_train_step
+    from torchfn.optim import sgd
+
+    model_fn, params, buffers, tasks = _dropout_setup()
+    tasks = Task(*(torch.cat([f, f.flip(0)]) for f in tasks))  # 6 tasks: 2 micro-batches of 3
+    learner = maml(model_fn, F.mse_loss, inner_lr=LR, inner_steps=2, randomness="same")
+    out = {}
+    for k in (1, 2):
+        step = make_meta_train_step(learner, sgd(0.1), grad_accum_steps=k)
+        state = init_meta_state(learner, params, buffers, sgd(0.1), seed=3)
+        out[k], _ = step(state, tasks)
+    _close(out[2].params, out[1].params, tol=1e-12)
+    step = make_meta_train_step(learner, sgd(0.1), grad_accum_steps=2, seed_rng=False)
+    with pytest.raises(RuntimeError, match="replay the step's random draws"):
+        step(init_meta_state(learner, params, buffers, sgd(0.1), seed=3), tasks)

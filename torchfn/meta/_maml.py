@@ -26,7 +26,7 @@ keep the fused kernels.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import optree
@@ -333,11 +333,32 @@ class MetaLearner:
 
     # -- task batches ------------------------------------------------------------------------------
 
-    def _chunks(self, tasks: Task) -> list[Task]:
+    def _chunks(self, tasks: Task) -> Iterator[Task]:
+        """Yield the ``chunk_size`` task chunks. With ``randomness="same"`` and more than one
+        chunk, every chunk starts from the same generator states (CPU and CUDA), so all tasks
+        share one set of random draws as they do unchunked (torch's chunked ``vmap`` does the
+        same); the generators end where one chunk's draws leave them."""
         n = n_tasks(tasks)
         c = n if self.chunk_size is None else min(self.chunk_size, n)
-        return [Task(*(optree.tree_map(lambda t, i=i: t[i:i + c], f) for f in tasks))
-                for i in range(0, n, c)]
+        chunks = [Task(*(optree.tree_map(lambda t, i=i: t[i:i + c], f) for f in tasks))
+                  for i in range(0, n, c)]
+        if self.randomness != "same" or len(chunks) == 1:
+            yield from chunks
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"MetaLearner(randomness='same', chunk_size={self.chunk_size}) under "
+                "torch.compile: every chunk must replay the same random draws, which needs the "
+                "generator state restored between chunks (not traceable); use chunk_size=None "
+                "or run eagerly")
+        cuda = torch.cuda.is_initialized()
+        cpu_state = torch.get_rng_state()
+        cuda_states = torch.cuda.get_rng_state_all() if cuda else None
+        for chunk in chunks:
+            torch.set_rng_state(cpu_state)
+            if cuda_states is not None:
+                torch.cuda.set_rng_state_all(cuda_states)
+            yield chunk
 
     def meta_loss(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task

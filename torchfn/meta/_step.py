@@ -220,9 +220,19 @@ def make_meta_train_step(
         # randomness="error" refuses random ops: nothing to seed
         use_rng = (seed_rng and learner.randomness != "error"
                    and not torch.compiler.is_compiling())
+        # randomness="same": one set of draws for all tasks, so every micro-batch replays the
+        # step's draws from the same seed (as the learner's chunks do)
+        replay = learner.randomness == "same" and k > 1
+        if replay and not use_rng:
+            raise RuntimeError(
+                f"meta train step with randomness='same' and grad_accum_steps={k}: every "
+                "micro-batch must replay the step's random draws from its seed, which the "
+                "eager step does (seed_rng=True) but not a compiled step or seed_rng=False; "
+                "use grad_accum_steps=1 (chunk_size= bounds memory) or run eagerly")
         with step_rng(state) if use_rng else contextlib.nullcontext():
             for part in split_batch(tasks, k, "meta train step(state, tasks)"):
-                with options.autocast(device_type):
+                with (step_rng(state) if replay else contextlib.nullcontext(),
+                      options.autocast(device_type)):
                     g, loss, buffers = meta_grad(state.params, state.buffers, part,
                                                  wrt=names, loss_scale=scale)
                 grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
