@@ -468,3 +468,24 @@ def test_meta_step_randomness_same_with_accumulation_equals_one_batch():
     step = make_meta_train_step(learner, sgd(0.1), grad_accum_steps=2, seed_rng=False)
     with pytest.raises(RuntimeError, match="replay the step's random draws"):
         step(init_meta_state(learner, params, buffers, sgd(0.1), seed=3), tasks)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torchopt's addcmul_
+@pytest.mark.parametrize("build", [maml, fomaml, reptile])
+def test_inner_optimizer_with_in_place_state_updates_runs_per_task(build):
+    """torchopt.adam updates its moments in place: its inner state is built per task (it was
+    one state for the whole task vmap: a broadcast error). Equal to the tasks one by one."""
+    import torchopt
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    model_fn, params, buffers = make_functional(net)
+    g = torch.Generator().manual_seed(1)
+    tasks = Task(*(torch.randn(3, n, d, generator=g, dtype=D) for n, d in
+                   ((4, 3), (4, 2), (5, 3), (5, 2))))
+    learner = build(model_fn, F.mse_loss, inner_steps=2,
+                    inner_opt=torchopt.adam(0.05, eps_root=1e-12))
+    got, _, _ = learner.meta_grad(params, buffers, tasks)
+    ones = [learner.meta_grad(params, buffers, Task(*(f[t:t + 1] for f in tasks)))[0]
+            for t in range(3)]
+    _close(got, {k: sum(o[k] for o in ones) / 3 for k in got})

@@ -29,7 +29,7 @@ from torch.func import grad, vjp, vmap
 from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _part
-from torchfn.meta._maml import LossFn, MetaLearner, TensorDict
+from torchfn.meta._maml import LossFn, MetaLearner, TensorDict, init_inner_state
 from torchfn.meta._tasks import Task, check_task_batch
 
 __all__ = ["ImplicitMetaLearner", "imaml"]
@@ -150,7 +150,7 @@ class ImplicitMetaLearner(MetaLearner):
         theta = {k: meta_params[k].detach() for k in self._model_names(meta_params)}
         phi = dict(theta)
         bufs = {k: v.detach() for k, v in buffers.items()}
-        state = self.inner_opt.init(phi)
+        state = None  # built at the first step, per task (init_inner_state)
         with _part("torchfn.inner_loop"):
             for _ in range(self.inner_steps):
                 phi, state, bufs = self._proximal_step(phi, theta, state, bufs, support_x,
@@ -166,6 +166,8 @@ class ImplicitMetaLearner(MetaLearner):
         g, bufs = grad(self._support_loss(support_x, support_y), has_aux=True)(phi, bufs)
         g = {k: g[k].detach() + self.lam * (phi[k] - theta[k]) for k in phi}
         bufs = {k: v.detach() for k, v in bufs.items()}
+        if state is None:
+            state = init_inner_state(self.inner_opt, phi, g)
         updates, state = self.inner_opt.update(g, state, params=phi, inplace=False)
         phi = {k: (phi[k] + updates[k]).detach() for k in phi}
         return phi, state, bufs

@@ -300,12 +300,14 @@ class MetaLearner:
             return self.loss_fn(out, support_y), new_bufs
 
         bufs = dict(buffers)
-        state = self.inner_opt.init(fast)
+        state = None
         with _part("torchfn.inner_loop"):
             for _ in range(self.inner_steps):
                 g, bufs = grad(support_loss, has_aux=True)(fast, bufs)
                 if self.first_order:
                     g = {k: v.detach() for k, v in g.items()}
+                if state is None:
+                    state = init_inner_state(self.inner_opt, fast, g)
                 updates, state = self.inner_opt.update(g, state, params=fast, inplace=False)
                 if self.learn_inner_lr:
                     fast = {k: fast[k] + meta_params[LR_PREFIX + k] * updates[k] for k in fast}
@@ -524,6 +526,20 @@ class MetaLearner:
         return {k: g[k].sum(0) for k in names}, loss_t.sum(), buf_t
 
 
+def init_inner_state(inner_opt: Any, fast: Mapping[str, Tensor], g: Mapping[str, Tensor]
+                     ) -> Any:
+    """``inner_opt.init`` of the adapted params ``fast``, given the first inner gradient ``g``.
+
+    Under the task ``vmap`` the meta-params are not batched but the gradients are: a state
+    built from ``fast`` alone is one state for all tasks, and optimizers that update their
+    state in place (torchopt's ``adam`` moments: ``m.mul(b).add_(g)``) then fail ("output
+    with shape [...] doesn't match the broadcast shape [T, ...]"). Built from ``fast`` plus
+    zeros shaped like ``g`` (batched where ``g`` is; same values, no dependence on ``g``),
+    each task gets its own state.
+    """
+    return inner_opt.init({k: fast[k] + torch.zeros_like(g[k]) for k in fast})
+
+
 def _check_remat(remat: Any, *, inner_opt: Any, first_order: bool, reptile: bool,
                  randomness: str) -> None:
     if not isinstance(remat, bool):
@@ -650,7 +666,12 @@ def maml(
             ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
             rate to ``inner_opt`` instead.
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
-            out-of-place); default ``torchopt.sgd(inner_lr)``.
+            out-of-place; its state is built per task); default ``torchopt.sgd(inner_lr)``.
+            A second-order meta-gradient differentiates through it: give Adam-like rules
+            ``eps_root > 0`` (e.g. ``torchfn.optim.adam(lr, eps_root=1e-12)``), since
+            ``sqrt(v)`` has an infinite derivative wherever a gradient entry is exactly 0
+            (dead ReLUs, unused params), which makes the meta-gradient NaN (and a step that
+            skips non-finite gradients skip every step).
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
             (the others stay the meta-params); ``None`` adapts all but the model's frozen
             params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by
@@ -722,7 +743,12 @@ def fomaml(
             ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
             rate to ``inner_opt`` instead.
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
-            out-of-place); default ``torchopt.sgd(inner_lr)``.
+            out-of-place; its state is built per task); default ``torchopt.sgd(inner_lr)``.
+            A second-order meta-gradient differentiates through it: give Adam-like rules
+            ``eps_root > 0`` (e.g. ``torchfn.optim.adam(lr, eps_root=1e-12)``), since
+            ``sqrt(v)`` has an infinite derivative wherever a gradient entry is exactly 0
+            (dead ReLUs, unused params), which makes the meta-gradient NaN (and a step that
+            skips non-finite gradients skip every step).
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
             (the others stay the meta-params); ``None`` adapts all but the model's frozen
             params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by
@@ -788,7 +814,12 @@ def anil(
             ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
             rate to ``inner_opt`` instead.
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
-            out-of-place); default ``torchopt.sgd(inner_lr)``.
+            out-of-place; its state is built per task); default ``torchopt.sgd(inner_lr)``.
+            A second-order meta-gradient differentiates through it: give Adam-like rules
+            ``eps_root > 0`` (e.g. ``torchfn.optim.adam(lr, eps_root=1e-12)``), since
+            ``sqrt(v)`` has an infinite derivative wherever a gradient entry is exactly 0
+            (dead ReLUs, unused params), which makes the meta-gradient NaN (and a step that
+            skips non-finite gradients skip every step).
         chunk_size: vmap at most this many tasks at once (gradients summed chunk by chunk, so
             the backward holds one chunk); ``None`` vmaps the whole task batch.
         randomness: the task ``vmap``'s: ``"error"`` (default; refuses dropout in training
@@ -858,8 +889,13 @@ def meta_sgd(
         inner_steps: inner-loop steps per task (an int >= 1).
         inner_lr: initial value of the learned per-parameter rates; ``None`` means 0.01.
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
-            out-of-place); default ``torchopt.sgd(1.0)``, whose updates are scaled
-            elementwise by the learned rates.
+            out-of-place; its state is built per task); default ``torchopt.sgd(1.0)``, whose
+            updates are scaled elementwise by the learned rates.
+            A second-order meta-gradient differentiates through it: give Adam-like rules
+            ``eps_root > 0`` (e.g. ``torchfn.optim.adam(lr, eps_root=1e-12)``), since
+            ``sqrt(v)`` has an infinite derivative wherever a gradient entry is exactly 0
+            (dead ReLUs, unused params), which makes the meta-gradient NaN (and a step that
+            skips non-finite gradients skip every step).
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
             (the others stay the meta-params); ``None`` adapts all but the model's frozen
             params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by
@@ -933,7 +969,12 @@ def reptile(
             ``None`` means 0.01. Not together with ``inner_opt`` (``ValueError``): pass the
             rate to ``inner_opt`` instead.
         inner_opt: any torchopt ``GradientTransformation`` for the inner loop (used
-            out-of-place); default ``torchopt.sgd(inner_lr)``.
+            out-of-place; its state is built per task); default ``torchopt.sgd(inner_lr)``.
+            A second-order meta-gradient differentiates through it: give Adam-like rules
+            ``eps_root > 0`` (e.g. ``torchfn.optim.adam(lr, eps_root=1e-12)``), since
+            ``sqrt(v)`` has an infinite derivative wherever a gradient entry is exactly 0
+            (dead ReLUs, unused params), which makes the meta-gradient NaN (and a step that
+            skips non-finite gradients skip every step).
         adapt_filter: ``adapt_filter(name) -> bool`` keeps the params the inner loop adapts
             (the others stay the meta-params); ``None`` adapts all but the model's frozen
             params (``model_fn.frozen``: ``requires_grad=False`` in the module, recorded by

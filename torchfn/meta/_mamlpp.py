@@ -35,7 +35,7 @@ from torch.func import grad, vmap
 
 from torchfn._checks import _call_model, _call_translated, _part
 from torchfn.functional import BatchNorm
-from torchfn.meta._maml import LR_PREFIX, MetaLearner, task_loss_grad
+from torchfn.meta._maml import LR_PREFIX, MetaLearner, init_inner_state, task_loss_grad
 from torchfn.meta._tasks import Task, check_task_batch, n_tasks
 
 __all__ = ["LSLR_PREFIX", "STEP_KEY", "MamlPlusPlus", "batchnorm_names", "maml_plus_plus",
@@ -307,7 +307,7 @@ class MamlPlusPlus(MetaLearner):
         def merged(f: Mapping[str, Tensor]) -> TensorDict:
             return {k: f[k] if k in f else meta_params[k] for k in model_names}
 
-        opt_state = None if self.lslr else self.inner_opt.init(fast)
+        opt_state = None  # built at the first step, per task (init_inner_state)
         params_after, bufs_after = [], []
         with _part("torchfn.inner_loop"):
             for i in range(self.inner_steps):
@@ -325,6 +325,8 @@ class MamlPlusPlus(MetaLearner):
                 if self.lslr:
                     fast = {k: fast[k] - meta_params[LSLR_PREFIX + k][i] * g[k] for k in fast}
                 else:
+                    if opt_state is None:
+                        opt_state = init_inner_state(self.inner_opt, fast, g)
                     updates, opt_state = self.inner_opt.update(g, opt_state, params=fast,
                                                                inplace=False)
                     fast = {k: fast[k] + updates[k] for k in fast}
