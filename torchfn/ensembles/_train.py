@@ -146,7 +146,9 @@ def make_ensemble_train_step(
     :func:`torchfn.functional.apply_gradients`) work per member, on the member axis dim 0:
     ``trainable`` (default: every param but ``model_fn.frozen``; frozen params get no
     gradient and never change), ``grad_accum_steps`` (micro-batches along every member's
-    batch dim, gradients averaged), ``max_grad_norm`` (each member clipped by its own global
+    batch dim, gradients averaged: the whole batch's for a per-sample mean loss; token means
+    with padding need the normalisation :func:`torchfn.functional.make_train_step` describes),
+    ``max_grad_norm`` (each member clipped by its own global
     norm), ``clip_value``, ``amp`` (``'bf16'``, or ``'fp16'`` with a per-member dynamic loss
     scale), ``lr_schedule`` (``metrics["lr"]``) and ``skip_nonfinite`` (default on: a member
     whose loss or gradients are not finite keeps its params, buffers and optimizer state;

@@ -240,8 +240,15 @@ def make_train_step(
     ``model_fn`` that cannot take those keywords gets a ``TypeError`` saying so.
 
     - ``grad_accum_steps=k`` splits the batch into ``k`` micro-batches of ``B // k`` (``B`` must
-      be divisible by ``k``) and averages their gradients, so for a mean-reduced loss the update
-      equals one step on the whole batch; buffers thread through the micro-batches in order.
+      be divisible by ``k``) and averages their gradients, so for a loss that is a mean over
+      the samples the update equals one step on the whole batch; buffers thread through the
+      micro-batches in order. A mean over a varying number of terms per micro-batch is not
+      such a loss: a token mean with padding (``ignore_index``) averages each micro-batch over
+      its own real tokens, so micro-batches with few real tokens weigh as much as full ones
+      and the update differs from the whole batch's. For those, have ``loss_fn`` return the
+      micro-batch's SUM over tokens divided by the average real-token count per micro-batch
+      (the whole batch's count over ``k``, e.g. read from the targets before the step), or use
+      ``grad_accum_steps=1``.
     - ``max_grad_norm`` clips the averaged gradients to that global L2 norm
       (``torch.nn.utils.clip_grad_norm_``'s rule); ``clip_value`` clamps every element to
       ``[-clip_value, clip_value]`` (``clip_grad_value_``'s rule) before that.
