@@ -434,10 +434,12 @@ def _meta_reference(module: nn.Module, tasks: list, cfg: dict, first_order: bool
             with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
                 for i in range(sx.shape[0]):
                     inner = F.mse_loss(torch.func.functional_call(m, params, sx[i]), sy[i])
-                    gs = torch.autograd.grad(inner, list(params.values()),
+                    # the inner loop adapts the params the module does not freeze
+                    adapted = [n for n in params if m.get_parameter(n).requires_grad]
+                    gs = torch.autograd.grad(inner, [params[n] for n in adapted],
                                              create_graph=not first_order)
-                    fast = {n: p - INNER_LR * g for (n, p), g in zip(params.items(), gs,
-                                                                     strict=True)}
+                    fast = {**params, **{n: params[n] - INNER_LR * g
+                                         for n, g in zip(adapted, gs, strict=True)}}
                     out = torch.func.functional_call(m, fast, qx[i])
                     losses.append(F.mse_loss(out, qy[i]).float())
             loss = torch.stack(losses).mean()
@@ -835,3 +837,29 @@ def test_cuda_amp_step_compiled_equals_eager(step_kind: str, amp: str) -> None:
     assert torch.equal(state.params["0.weight"], frozen)
     for k, v in state.params.items():
         assert torch.isfinite(v).all(), k
+
+
+def test_a_module_or_another_steps_state_is_refused_by_name() -> None:
+    """An nn.Module as model_fn, or a DPState given to a train step (and the reverse), get
+    errors naming the argument and the fix (they failed inside the call: "forward() takes 2
+    positional arguments but 4 were given", a bare AttributeError)."""
+    net = nn.Linear(3, 2)
+    for build in (lambda: make_train_step(net, F.mse_loss, adamw(LR)),
+                  lambda: make_ensemble_train_step(net, F.mse_loss, adamw(LR)),
+                  lambda: maml(net, F.mse_loss)):
+        with pytest.raises(TypeError, match=r"model_fn=...\): got the nn.Module Linear.*"
+                           r"make_functional\(module\)"):
+            build()
+    model_fn, params, buffers = make_functional(net)
+    ghost, gp, gb = make_ghost_model(net)
+    dp_state = init_dp_state(gp, gb, adamw(LR), seed=0)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    with pytest.raises(TypeError, match=r"expected state to be a TrainState .*init_train_state"
+                       r".*got DPState"):
+        make_train_step(model_fn, F.mse_loss, adamw(LR))(dp_state, (x, y))
+    dp = make_dp_train_step(ghost, lambda o, t: ((o - t) ** 2).mean(1), adamw(LR),
+                            max_grad_norm=1.0, noise_multiplier=1.0, sample_rate=0.1,
+                            dataset_size=40)
+    with pytest.raises(TypeError, match=r"expected state to be a DPState .*got TrainState"):
+        dp(init_train_state(params, buffers, adamw(LR), seed=0), (x, y),
+           torch.ones(4, dtype=torch.bool))

@@ -527,3 +527,27 @@ def math_attention(fn: Any) -> Any:
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+def check_model_fn(model_fn: Any, where: str) -> None:
+    """Raise ``TypeError`` unless ``model_fn`` is a functional model (a callable
+    ``model_fn(params, buffers, inputs) -> (outputs, new_buffers)``), naming the fix for an
+    ``nn.Module`` passed as it (which failed later with "forward() takes 2 positional
+    arguments but 4 were given")."""
+    if isinstance(model_fn, torch.nn.Module):
+        raise TypeError(
+            f"{where}(model_fn=...): got the nn.Module {type(model_fn).__name__}; torchfn's "
+            "steps take a functional model: model_fn, params, buffers = "
+            "torchfn.functional.make_functional(module) (make_ghost_model for DP-SGD)")
+    if not callable(model_fn):
+        raise TypeError(f"{where}(model_fn=...): expected a callable model_fn(params, buffers, "
+                        f"inputs) -> (outputs, new_buffers), got {type(model_fn).__name__}")
+
+
+def check_state_type(state: Any, expected: type, where: str, init: str) -> None:
+    """Raise ``TypeError`` unless ``state`` is an ``expected`` (a step's state NamedTuple),
+    naming the ``init`` function that builds it (a DPState given to a train step, or the
+    reverse, failed with a bare AttributeError)."""
+    if not isinstance(state, expected):
+        raise TypeError(f"{where}: expected state to be a {expected.__name__} (built by "
+                        f"{init}), got {type(state).__name__}")

@@ -24,7 +24,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 
-from torchfn._checks import STEP_INDUCTOR_OPTIONS, _call_model, _call_translated, _part, _replace
+from torchfn._checks import (
+    STEP_INDUCTOR_OPTIONS,
+    _call_model,
+    _call_translated,
+    _part,
+    _replace,
+    check_model_fn,
+)
 from torchfn.ensembles._build import _RANDOMNESS, Ensemble, _fmt, n_members
 from torchfn.functional import (
     DynamicLossScaler,
@@ -182,6 +189,7 @@ def make_ensemble_train_step(
         torch.Size([2])
     """
     where = "ensemble train step(state, batch)"
+    check_model_fn(model_fn, "make_ensemble_train_step")
     check_optimizer(optimizer, "make_ensemble_train_step")
     if randomness not in _RANDOMNESS:
         raise ValueError(f"make_ensemble_train_step(randomness=...): expected one of "

@@ -327,7 +327,10 @@ def save_checkpoint(
     path = os.fspath(path)
     if not isinstance(state, TrainState):
         raise TypeError(
-            f"save_checkpoint(path, state): expected a TrainState, got {type(state).__name__}"
+            f"save_checkpoint(path, state): expected a TrainState, got {type(state).__name__}; "
+            "another step's state (e.g. a DPState) is saved as extra, beside a TrainState: "
+            "save_checkpoint(path, train_state, extra={'dp': dp_state}), and comes back in "
+            "load_checkpoint's extra"
         )
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"save_checkpoint(extra=...): expected a dict, got {type(extra).__name__}")

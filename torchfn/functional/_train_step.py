@@ -28,7 +28,14 @@ import torch
 from torchopt.base import GradientTransformation
 from torchopt.typing import OptState, Schedule
 
-from torchfn._checks import STEP_INDUCTOR_OPTIONS, _call_model, _call_translated, _part
+from torchfn._checks import (
+    STEP_INDUCTOR_OPTIONS,
+    _call_model,
+    _call_translated,
+    _part,
+    check_model_fn,
+    check_state_type,
+)
 from torchfn.functional._core import (
     DynamicLossScaler,
     LossScaleState,
@@ -319,6 +326,7 @@ def make_train_step(
         (1, ['grad_norm', 'loss', 'skipped'])
     """
     where = "make_train_step"
+    check_model_fn(model_fn, where)
     check_optimizer(optimizer, where)
     options = StepOptions(trainable=trainable, amp=amp, loss_scaler=loss_scaler,
                           grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
@@ -361,6 +369,7 @@ def make_train_step(
         return grads, loss, new_buffers
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Tensor]]:
+        check_state_type(state, TrainState, "train step(state, batch)", "init_train_state")
         inputs, targets = _check_batch(batch)
         micro_batches = split_batch((inputs, targets), k, "train step")
         names = options.trainable_names(state.params, frozen)

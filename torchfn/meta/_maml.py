@@ -36,7 +36,13 @@ from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 from torchopt.base import GradientTransformation
 
-from torchfn._checks import _call_model, _call_translated, _check_randomness, _part
+from torchfn._checks import (
+    _call_model,
+    _call_translated,
+    _check_randomness,
+    _part,
+    check_model_fn,
+)
 from torchfn.functional import FunctionalModel
 from torchfn.meta import _regions
 from torchfn.meta._auto_unfold import check_unfold_convs, compiled_model_fn
@@ -151,6 +157,7 @@ class MetaLearner:
         compile_regions: bool = False,
         unfold_convs: str | bool = "auto",
     ) -> None:
+        check_model_fn(model_fn, "MetaLearner")
         _check_randomness(randomness, "MetaLearner(randomness=...)")
         check_unfold_convs(unfold_convs, "MetaLearner")
         _check_compile_regions(compile_regions, model_fn, reptile=reptile, remat=remat,

@@ -62,6 +62,7 @@ from torchfn._checks import (
     _foreach_map,
     _part,
     _replace,
+    check_state_type,
 )
 from torchfn.functional import (
     DynamicLossScaler,
@@ -576,6 +577,7 @@ class DPTrainStep:
         (mean unclipped per-sample norm); with adaptive clipping also ``max_grad_norm`` (the
         ``C_t`` clipped to) and ``unclipped_fraction`` (the noisy ``b_t``).
         """
+        check_state_type(state, DPState, "DP-SGD step(state, batch, valid)", "init_dp_state")
         return self._call_fn(state, batch, valid)
 
     def clipped_sum(self, state: DPState, batch: tuple[Any, Any], valid: Tensor) -> ClippedSum:
