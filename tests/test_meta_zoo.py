@@ -489,3 +489,18 @@ def test_inner_optimizer_with_in_place_state_updates_runs_per_task(build):
     ones = [learner.meta_grad(params, buffers, Task(*(f[t:t + 1] for f in tasks)))[0]
             for t in range(3)]
     _close(got, {k: sum(o[k] for o in ones) / 3 for k in got})
+
+
+def test_reptile_returns_the_buffers_after_the_query_forward():
+    """Like the other learners (BatchNorm in train mode: the running stats after the inner
+    steps and the query forward); Reptile dropped the query forward's update."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    model_fn, params, buffers = make_functional(net)
+    g = torch.Generator().manual_seed(1)
+    tasks = Task(*(torch.randn(3, n, d, generator=g, dtype=D) for n, d in
+                   ((4, 3), (4, 2), (5, 3), (5, 2))))
+    _, _, want = maml(model_fn, F.mse_loss, inner_steps=2).meta_grad(params, buffers, tasks)
+    _, _, got = reptile(model_fn, F.mse_loss, inner_steps=2).meta_grad(params, buffers, tasks)
+    assert int(got["1.num_batches_tracked"]) == 3  # two support forwards, one query forward
+    _close(got, want, tol=1e-12)

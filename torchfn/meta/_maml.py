@@ -335,8 +335,9 @@ class MetaLearner:
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], task: Task
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         fast, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
-        out, _ = _call_model(self._model_call, fast, bufs, task.query_x,
-                             "meta-learner (query_x)")
+        # the buffers after the query forward, as the other learners return them
+        out, bufs = _call_model(self._model_call, fast, bufs, task.query_x,
+                                "meta-learner (query_x)")
         delta = {k: (meta_params[k] - fast[k]).detach() for k in self._model_names(meta_params)}
         return delta, self.loss_fn(out, task.query_y).detach(), bufs
 
