@@ -504,3 +504,13 @@ def test_reptile_returns_the_buffers_after_the_query_forward():
     _, _, got = reptile(model_fn, F.mse_loss, inner_steps=2).meta_grad(params, buffers, tasks)
     assert int(got["1.num_batches_tracked"]) == 3  # two support forwards, one query forward
     _close(got, want, tol=1e-12)
+
+
+def test_meta_grad_refuses_unknown_wrt_names_and_meta_sgd_without_rates():
+    """A typo in wrt= gave an empty gradient dict; Meta-SGD without learner.init a KeyError."""
+    model_fn, params, buffers, tasks = _dropout_setup()
+    learner = maml(model_fn.eval(), F.mse_loss, inner_lr=LR)
+    with pytest.raises(ValueError, match=r"wrt=...\): names \['0.wieght'\] are not meta-params"):
+        learner.meta_grad(params, buffers, tasks, wrt=["0.wieght"])
+    with pytest.raises(ValueError, match=r"lack the learned inner rates .*learner.init"):
+        meta_sgd(model_fn.eval(), F.mse_loss).meta_grad(params, buffers, tasks)

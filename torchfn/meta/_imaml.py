@@ -30,7 +30,7 @@ from torchopt.base import GradientTransformation
 
 from torchfn._checks import _call_model, _call_translated, _part
 from torchfn.meta._maml import LossFn, MetaLearner, TensorDict, init_inner_state
-from torchfn.meta._tasks import Task, check_task_batch
+from torchfn.meta._tasks import Task, check_task_batch, wrt_names
 
 __all__ = ["ImplicitMetaLearner", "imaml"]
 
@@ -283,7 +283,7 @@ class ImplicitMetaLearner(MetaLearner):
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
         wrt: Collection[str] | None, loss_scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
-        names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
+        names = wrt_names(meta_params, wrt, "imaml.meta_grad")
 
         def one_task(p: Mapping[str, Tensor], b: Mapping[str, Tensor], task: Task) -> Any:
             return self.task_grad(p, b, task, loss_scale)

@@ -47,7 +47,7 @@ from torchfn._checks import _call_translated, _compile_kwargs
 from torchfn.meta._imaml import ImplicitMetaLearner
 from torchfn.meta._maml import LR_PREFIX, MetaLearner
 from torchfn.meta._regions import make_region_query, make_region_step, region_chunk_grad
-from torchfn.meta._tasks import Task, check_task_batch
+from torchfn.meta._tasks import Task, check_task_batch, wrt_names
 
 __all__: list[str] = []
 
@@ -165,7 +165,7 @@ class InnerCompiledMetaGrad:
         wrt: Collection[str] | None, loss_scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         learner = self.learner
-        names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
+        names = wrt_names(meta_params, wrt, "meta_grad")
 
         def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
             if isinstance(learner, ImplicitMetaLearner):

@@ -55,7 +55,7 @@ from torchfn.meta._regions import (
 )
 from torchfn.meta._remat import remat_task_grad
 from torchfn.meta._second_order import may_use_layer_norm, second_order_context
-from torchfn.meta._tasks import Task, check_task_batch, n_tasks
+from torchfn.meta._tasks import Task, check_task_batch, n_tasks, wrt_names
 
 __all__ = ["LR_PREFIX", "MetaLearner", "anil", "fomaml", "maml", "meta_sgd", "reptile"]
 
@@ -299,6 +299,11 @@ class MetaLearner:
             tensor([[2.]])
         """
         names = self.adapted_names(meta_params)
+        if self.learn_inner_lr:
+            missing = [LR_PREFIX + k for k in names if LR_PREFIX + k not in meta_params]
+            if missing:
+                raise ValueError(f"meta_sgd: meta_params lack the learned inner rates {missing}; "
+                                 "build them with learner.init(params) (init_meta_state does)")
         fast = {k: meta_params[k] for k in names}
 
         def support_loss(f: TensorDict, bufs: TensorDict) -> tuple[Tensor, TensorDict]:
@@ -442,7 +447,7 @@ class MetaLearner:
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task,
         wrt: Collection[str] | None, loss_scale: Tensor | None,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
-        names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
+        names = wrt_names(meta_params, wrt, "MetaLearner.meta_grad")
 
         def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
             if self._use_regions(meta_params):

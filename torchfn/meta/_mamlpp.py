@@ -36,7 +36,7 @@ from torch.func import grad, vmap
 from torchfn._checks import _call_model, _call_translated, _part
 from torchfn.functional import BatchNorm
 from torchfn.meta._maml import LR_PREFIX, MetaLearner, init_inner_state, task_loss_grad
-from torchfn.meta._tasks import Task, check_task_batch, n_tasks
+from torchfn.meta._tasks import Task, check_task_batch, n_tasks, wrt_names
 
 __all__ = ["LSLR_PREFIX", "STEP_KEY", "MamlPlusPlus", "batchnorm_names", "maml_plus_plus",
            "msl_weights"]
@@ -475,7 +475,7 @@ class MamlPlusPlus(MetaLearner):
         check_task_batch(tasks, where)
         self._check_state(meta_params, buffers, where)
         n = n_tasks(tasks)
-        names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
+        names = wrt_names(meta_params, wrt, "maml_plus_plus.meta_grad")
 
         def run() -> tuple[TensorDict, Tensor, TensorDict]:
             with self._attention_backend():

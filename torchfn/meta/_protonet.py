@@ -30,7 +30,7 @@ from torch import Tensor
 
 from torchfn._checks import _call_model, _call_translated
 from torchfn.meta._maml import MetaLearner, task_loss_grad
-from torchfn.meta._tasks import Task, check_task_batch, n_tasks
+from torchfn.meta._tasks import Task, check_task_batch, n_tasks, wrt_names
 
 __all__ = ["MetricLearner", "matching_net", "protonet"]
 
@@ -187,7 +187,7 @@ class MetricLearner(MetaLearner):
         check_task_batch(tasks, where)
         self._check_labels(tasks, where)
         n = n_tasks(tasks)
-        names = list(meta_params) if wrt is None else [k for k in meta_params if k in wrt]
+        names = wrt_names(meta_params, wrt, "meta_grad")
 
         def run() -> tuple[TensorDict, Tensor, TensorDict]:
             g, lsum, buf_t = task_loss_grad(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -55,6 +55,19 @@ def _field_leaves(tasks: Task, name: str, call: str) -> list[tuple[str, Tensor]]
 def n_tasks(tasks: Task) -> int:
     """Return the number of tasks ``T`` (dim 0 of the first leaf of ``support_x``; private)."""
     return optree.tree_leaves(tasks.support_x, none_is_leaf=True)[0].shape[0]
+
+
+def wrt_names(meta_params: Mapping[str, Tensor], wrt: Collection[str] | None,
+              call: str) -> list[str]:
+    """The meta-params ``meta_grad(wrt=...)`` differentiates, in ``meta_params`` order (all for
+    ``None``); names that are not meta-params raise (a typo gave an empty gradient dict)."""
+    if wrt is None:
+        return list(meta_params)
+    unknown = sorted(set(wrt) - set(meta_params))
+    if unknown:
+        raise ValueError(f"{call}(wrt=...): names {unknown} are not meta-params; the "
+                         f"meta-params are {list(meta_params)}")
+    return [k for k in meta_params if k in wrt]
 
 
 def check_task_batch(tasks: object, call: str) -> None:
