@@ -514,3 +514,33 @@ def test_meta_grad_refuses_unknown_wrt_names_and_meta_sgd_without_rates():
         learner.meta_grad(params, buffers, tasks, wrt=["0.wieght"])
     with pytest.raises(ValueError, match=r"lack the learned inner rates .*learner.init"):
         meta_sgd(model_fn.eval(), F.mse_loss).meta_grad(params, buffers, tasks)
+
+
+def test_imaml_does_not_adapt_frozen_params():
+    """iMAML adapts (and puts in the proximal term and the CG solve) only the unfrozen params:
+    equal to iMAML on a model whose frozen params are constants of the model function; the
+    frozen ones get a zero meta-gradient."""
+    from torchfn.meta import imaml
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    net[0].requires_grad_(False)
+    model_fn, params, buffers = make_functional(net)
+    g = torch.Generator().manual_seed(1)
+    tasks = Task(*(torch.randn(3, n, d, generator=g, dtype=D) for n, d in
+                   ((4, 3), (4, 2), (5, 3), (5, 2))))
+    frozen = {k: params[k] for k in model_fn.frozen}
+    trained = {k: v for k, v in params.items() if k not in frozen}
+
+    def baked(p, b, x):  # the frozen params as constants: nothing to adapt there
+        return model_fn({**frozen, **p}, b, x)
+
+    kw = {"inner_lr": 0.1, "inner_steps": 5, "lam": 2.0, "cg_steps": 5}
+    got, loss, _ = imaml(model_fn, F.mse_loss, **kw).meta_grad(params, buffers, tasks)
+    want, want_loss, _ = imaml(baked, F.mse_loss, **kw).meta_grad(trained, buffers, tasks)
+    _close({k: got[k] for k in trained}, want, tol=1e-12)
+    assert all(torch.equal(got[k], torch.zeros_like(params[k])) for k in frozen)
+    torch.testing.assert_close(loss, want_loss)
+    fast, _ = imaml(model_fn, F.mse_loss, **kw).adapt(params, buffers, tasks.support_x[0],
+                                                      tasks.support_y[0])
+    assert all(torch.equal(fast[k], params[k]) for k in frozen)

@@ -113,13 +113,24 @@ class ImplicitMetaLearner(MetaLearner):
 
     # -- one task ----------------------------------------------------------------------------------
 
-    def _support_loss(self, support_x: Any, support_y: Any) -> Callable[..., Any]:
+    def _support_loss(self, support_x: Any, support_y: Any, fixed: TensorDict
+                      ) -> Callable[..., Any]:
         def support_loss(p: TensorDict, bufs: TensorDict) -> tuple[Tensor, TensorDict]:
-            out, new_bufs = _call_model(self._model_call, p, bufs, support_x,
+            out, new_bufs = _call_model(self._model_call, {**fixed, **p}, bufs, support_x,
                                         "meta-learner (support_x)")
             return self.loss_fn(out, support_y), new_bufs
 
         return support_loss
+
+    def _split(self, meta_params: Mapping[str, Tensor]) -> tuple[TensorDict, TensorDict]:
+        """``(theta, fixed)``, detached: the adapted meta-params (all but the model's frozen
+        ones) and the others, which every model call takes as they are."""
+        names = set(self.adapted_names(meta_params))
+        theta = {k: meta_params[k].detach() for k in self._model_names(meta_params)
+                 if k in names}
+        fixed = {k: meta_params[k].detach() for k in self._model_names(meta_params)
+                 if k not in names}
+        return theta, fixed
 
     def adapt(
         self,
@@ -136,7 +147,8 @@ class ImplicitMetaLearner(MetaLearner):
         ``phi*`` has no autograd history (memory does not grow with ``inner_steps``; a
         gradient through it is zero -- :meth:`meta_grad` gives the implicit one). One task:
         ``support_x (K, ...)``; ``vmap`` it for a task batch. ``new_buffers`` are the buffers
-        after the last support forward (BatchNorm running statistics).
+        after the last support forward (BatchNorm running statistics). The model's frozen
+        params (``model_fn.frozen``) are not adapted: ``phi*`` holds them as given.
 
         Example:
             >>> import torch.nn.functional as F
@@ -147,23 +159,30 @@ class ImplicitMetaLearner(MetaLearner):
             >>> fast["w"]  # argmin (w - 2)^2 + (w - 0)^2 = 1
             tensor([[1.]])
         """
-        theta = {k: meta_params[k].detach() for k in self._model_names(meta_params)}
+        phi, fixed, bufs = self._adapt(meta_params, buffers, support_x, support_y)
+        return {**fixed, **phi}, bufs
+
+    def _adapt(self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+               support_x: Any, support_y: Any) -> tuple[TensorDict, TensorDict, TensorDict]:
+        """:meth:`adapt` as ``(phi* of the adapted params, the fixed params, buffers)``."""
+        theta, fixed = self._split(meta_params)
         phi = dict(theta)
         bufs = {k: v.detach() for k, v in buffers.items()}
         state = None  # built at the first step, per task (init_inner_state)
         with _part("torchfn.inner_loop"):
             for _ in range(self.inner_steps):
                 phi, state, bufs = self._proximal_step(phi, theta, state, bufs, support_x,
-                                                       support_y)
-        return phi, bufs
+                                                       support_y, fixed)
+        return phi, fixed, bufs
 
     def _proximal_step(
         self, phi: TensorDict, theta: TensorDict, state: Any, bufs: TensorDict, support_x: Any,
-        support_y: Any,
+        support_y: Any, fixed: TensorDict,
     ) -> tuple[TensorDict, Any, TensorDict]:
         """One inner step of one task on the proximal support loss, detached:
-        ``(phi, inner_opt state, buffers)`` after it."""
-        g, bufs = grad(self._support_loss(support_x, support_y), has_aux=True)(phi, bufs)
+        ``(phi, inner_opt state, buffers)`` after it (``fixed``: the params not adapted)."""
+        g, bufs = grad(self._support_loss(support_x, support_y, fixed), has_aux=True)(phi,
+                                                                                       bufs)
         g = {k: g[k].detach() + self.lam * (phi[k] - theta[k]) for k in phi}
         bufs = {k: v.detach() for k, v in bufs.items()}
         if state is None:
@@ -191,21 +210,21 @@ class ImplicitMetaLearner(MetaLearner):
         iterations, ``H`` the Hessian of the support loss at ``phi*`` (with the task's
         incoming ``buffers``). ``loss_scale`` multiplies ``g`` (fp16), not the loss.
         """
-        phi, bufs = self.adapt(meta_params, buffers, task.support_x, task.support_y)
-        return self._implicit_solve(phi, bufs, buffers, task, loss_scale)
+        phi, fixed, bufs = self._adapt(meta_params, buffers, task.support_x, task.support_y)
+        return self._implicit_solve(phi, bufs, buffers, task, loss_scale, fixed)
 
     def _implicit_solve(
         self, phi: TensorDict, bufs: TensorDict, buffers: Mapping[str, Tensor], task: Task,
-        loss_scale: Tensor | None,
+        loss_scale: Tensor | None, fixed: TensorDict,
     ) -> tuple[TensorDict, Tensor, TensorDict]:
         """:meth:`task_grad` after the inner loop: the query gradient at ``phi`` (with the
         post-adaptation ``bufs``) and the CG solve on the support Hessian at ``phi`` (with the
         task's incoming ``buffers``)."""
-        support_loss = self._support_loss(task.support_x, task.support_y)
+        support_loss = self._support_loss(task.support_x, task.support_y, fixed)
         in_bufs = {k: v.detach() for k, v in buffers.items()}
 
         def query_loss(p: TensorDict) -> tuple[Tensor, tuple[Tensor, TensorDict]]:
-            out, new_bufs = _call_model(self._model_call, p, bufs, task.query_x,
+            out, new_bufs = _call_model(self._model_call, {**fixed, **p}, bufs, task.query_x,
                                         "meta-learner (query_x)")
             loss = self.loss_fn(out, task.query_y)
             if loss_scale is None:
@@ -260,8 +279,9 @@ class ImplicitMetaLearner(MetaLearner):
         ``mean_t ((1 + cg_damping) I + H_t / lam)^{-1} grad L_q,t(phi*_t)``;
         ``meta_loss`` (0-d) is ``mean_t L_q,t(phi*_t)``; ``new_buffers`` are the
         post-query buffers averaged over tasks (integer buffers: task 0's). ``wrt`` keeps
-        only those meta-params' gradients (the solve still covers all params: every param is
-        adapted and in the proximal term). ``loss_scale`` multiplies the gradients (fp16).
+        only those meta-params' gradients (the solve still covers all adapted params: every
+        param but the model's frozen ones is adapted and in the proximal term; a frozen param's
+        meta-gradient is zero). ``loss_scale`` multiplies the gradients (fp16).
 
         Example:
             >>> import torch.nn.functional as F
@@ -290,30 +310,33 @@ class ImplicitMetaLearner(MetaLearner):
 
         def chunk_grad(chunk: Task) -> tuple[TensorDict, Tensor, TensorDict]:
             g_t, loss_t, buf_t = self._task_vmap(one_task)(meta_params, buffers, chunk)
-            return {k: g_t[k].sum(0) for k in names}, loss_t.sum(), buf_t
+            # names not adapted (frozen) are absent: _sum_over_chunks gives them zeros
+            return {k: g_t[k].sum(0) for k in names if k in g_t}, loss_t.sum(), buf_t
 
         return self._sum_over_chunks(meta_params, buffers, tasks, names, chunk_grad)
 
     # -- compile="inner" of make_meta_train_step (_inner_compile.py) ------------------------------
 
     def _chunk_proximal_step(self) -> Callable[..., Any]:
-        """Return ``step(phi, theta, state, bufs, support_x, support_y) -> (phi, state, bufs)``:
-        one proximal inner step of every task of a chunk, detached. Every argument but
-        ``theta`` (the meta-params, no task dim) has the task dim 0."""
-        return vmap(self._proximal_step, in_dims=(0, None, 0, 0, 0, 0),
+        """Return ``step(phi, theta, state, bufs, support_x, support_y, fixed) -> (phi, state,
+        bufs)``: one proximal inner step of every task of a chunk, detached. Every argument but
+        ``theta`` and ``fixed`` (the adapted and the other meta-params, no task dim) has the
+        task dim 0."""
+        return vmap(self._proximal_step, in_dims=(0, None, 0, 0, 0, 0, None),
                     randomness=self.randomness)
 
     def _chunk_solve(self) -> Callable[..., Any]:
-        """Return ``solve(phi, bufs, buffers, chunk, loss_scale) -> (summed g, summed loss,
-        per-task buffers)``: :meth:`task_grad` after the inner loop for every task of a chunk
-        (``phi``, ``bufs``, ``chunk`` with the task dim 0; ``buffers``, the incoming ones, and
-        ``loss_scale`` without)."""
-        solve_t = vmap(self._implicit_solve, in_dims=(0, 0, None, 0, None),
+        """Return ``solve(phi, bufs, buffers, chunk, loss_scale, fixed) -> (summed g, summed
+        loss, per-task buffers)``: :meth:`task_grad` after the inner loop for every task of a
+        chunk (``phi``, ``bufs``, ``chunk`` with the task dim 0; ``buffers``, the incoming
+        ones, ``loss_scale`` and ``fixed``, the params not adapted, without)."""
+        solve_t = vmap(self._implicit_solve, in_dims=(0, 0, None, 0, None, None),
                        randomness=self.randomness)
 
         def solve(phi: TensorDict, bufs: TensorDict, buffers: TensorDict, chunk: Task,
-                  loss_scale: Tensor | None) -> tuple[TensorDict, Tensor, TensorDict]:
-            g_t, loss_t, buf_t = solve_t(phi, bufs, buffers, chunk, loss_scale)
+                  loss_scale: Tensor | None, fixed: TensorDict
+                  ) -> tuple[TensorDict, Tensor, TensorDict]:
+            g_t, loss_t, buf_t = solve_t(phi, bufs, buffers, chunk, loss_scale, fixed)
             return {k: v.sum(0) for k, v in g_t.items()}, loss_t.sum(), buf_t
 
         return solve
@@ -330,7 +353,7 @@ class ImplicitMetaLearner(MetaLearner):
         ``(T, ...)`` copies, the optimizer state vmap-initialised), so every call of ``step``
         sees one input layout and reuses one compiled graph."""
         n = optree.tree_leaves(chunk.support_x)[0].shape[0]
-        theta = {k: meta_params[k].detach() for k in self._model_names(meta_params)}
+        theta, fixed = self._split(meta_params)
         phi = {k: v.expand(n, *v.shape).contiguous() for k, v in theta.items()}
         in_bufs = {k: v.detach() for k, v in buffers.items()}
         bufs = {k: v.expand(n, *v.shape).contiguous() for k, v in in_bufs.items()}
@@ -338,10 +361,10 @@ class ImplicitMetaLearner(MetaLearner):
         with _part("torchfn.inner_loop"):
             for _ in range(self.inner_steps):
                 phi, state, bufs = step(phi, theta, state, bufs, chunk.support_x,
-                                        chunk.support_y)
+                                        chunk.support_y, fixed)
         with _part("torchfn.implicit_cg"):
-            g, loss, buf_t = solve(phi, bufs, in_bufs, chunk, loss_scale)
-        return {k: g[k] for k in names}, loss, buf_t
+            g, loss, buf_t = solve(phi, bufs, in_bufs, chunk, loss_scale, fixed)
+        return {k: g[k] for k in names if k in g}, loss, buf_t
 
 
 def _check_imaml_args(*, lam: Any, cg_steps: Any, cg_damping: Any) -> None:
