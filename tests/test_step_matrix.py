@@ -863,3 +863,13 @@ def test_a_module_or_another_steps_state_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match=r"expected state to be a DPState .*got TrainState"):
         dp(init_train_state(params, buffers, adamw(LR), seed=0), (x, y),
            torch.ones(4, dtype=torch.bool))
+
+
+def test_amp_on_a_float64_model_is_refused() -> None:
+    """autocast leaves float64 alone: amp= on a float64 model changed nothing, silently."""
+    model_fn, params, buffers = make_functional(nn.Linear(3, 2).double())
+    step = make_train_step(model_fn, F.mse_loss, adamw(LR), amp="bf16")
+    state = init_train_state(params, buffers, adamw(LR), seed=0)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"amp='bf16' with float64 params.*module.float\(\)"):
+        step(state, (x, y))

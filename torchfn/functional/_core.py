@@ -587,6 +587,12 @@ def apply_gradients(
     g: TensorDict = {k: grads[k] for k in names}
     loss_scale = getattr(state, "loss_scale", None)
     skipped = getattr(state, "skipped", None)
+    if opts.amp is not None and all(t.dtype == torch.float64 for t in params.values()
+                                    if t.is_floating_point()) and params:
+        raise ValueError(
+            f"{where}: amp={opts.amp!r} with float64 params: autocast leaves float64 ops in "
+            "float64, so nothing would run in reduced precision; convert the model to float32 "
+            "(module.float()) or drop amp")
     if opts.fp16 and loss_scale is None:
         raise ValueError(f"{where}: amp='fp16' needs a loss_scale in the state; build the "
                          "state with its init function (init_train_state, init_dp_state, ...)")
