@@ -285,7 +285,7 @@ def test_errors(tmp_path):
     assert not (tmp_path / "x.pt").exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         save_checkpoint(tmp_path / "no_dir" / "x.pt", state)
-    with pytest.raises(TypeError, match="expected a TrainState"):
+    with pytest.raises(TypeError, match="expected a TrainState or a DPState, got dict"):
         save_checkpoint(tmp_path / "x.pt", {"params": params})
     with pytest.raises(CheckpointError, match=r"does not match optimizer\.init"):
         load_checkpoint(good, optimizer=torchopt.sgd(0.1, momentum=0.9))
@@ -322,3 +322,51 @@ def test_foreign_state_classes_need_the_optimizer_template(tmp_path):
     loaded, _ = load_checkpoint(path, optimizer=opt)
     assert_states_equal(loaded, state)
     assert isinstance(loaded.opt_state, _CustomState)
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_dp_state_checkpoint_resumes_the_dp_run_exactly(tmp_path, with_optimizer):
+    """A DPState saves and loads as itself (noise key, step, adaptive clip threshold, Adam
+    state); the resumed run draws the same noise and equals the uninterrupted one bitwise."""
+    from torchfn.persample import (
+        AdaptiveClipping,
+        DPState,
+        init_dp_state,
+        make_dp_train_step,
+        make_ghost_model,
+    )
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    net[0].requires_grad_(False)  # a frozen layer: the optimizer state covers the rest
+
+    def xent(out, y):
+        return torch.nn.functional.cross_entropy(out, y, reduction="none")
+
+    ghost, params, buffers = make_ghost_model(net)
+    opt = adam(1e-2)
+    step = make_dp_train_step(ghost, xent, opt, max_grad_norm=1.0, noise_multiplier=1.0,
+                              sample_rate=0.1, dataset_size=80,
+                              adaptive_clipping=AdaptiveClipping(0.5, 0.2))
+    state = init_dp_state(params, buffers, opt, seed=3, trainable=ghost.trainable,
+                          max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64),
+                torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    valid = torch.ones(8, dtype=torch.bool)
+    straight = state
+    for b in batches:
+        straight, _ = step(straight, b, valid)
+    resumed = state
+    for b in batches[:2]:
+        resumed, _ = step(resumed, b, valid)
+    path = os.path.join(tmp_path, "dp.pt")
+    save_checkpoint(path, resumed, extra={"epoch": 2})
+    kw = {"optimizer": opt, "trainable": ghost.trainable} if with_optimizer else {}
+    resumed, extra = load_checkpoint(path, **kw)
+    assert isinstance(resumed, DPState) and extra == {"epoch": 2}
+    for b in batches[2:]:
+        resumed, _ = step(resumed, b, valid)
+    assert optree.tree_structure(resumed) == optree.tree_structure(straight)
+    for a, b in zip(optree.tree_leaves(resumed), optree.tree_leaves(straight), strict=True):
+        assert torch.equal(a, b)

@@ -300,9 +300,14 @@ def _remove_stale_tmps(directory: str, base: str) -> None:
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], state: TrainState, *, extra: dict[str, Any] | None = None
+    path: str | os.PathLike[str], state: Any, *, extra: dict[str, Any] | None = None
 ) -> None:
     """Write ``state`` (and ``extra``) to ``path`` atomically; returns ``None``.
+
+    ``state``: a :class:`TrainState` (train, ensemble and meta steps) or a
+    :class:`torchfn.persample.DPState` (DP-SGD steps: its noise key, step count, adaptive
+    clipping threshold and optimizer state, so a resumed DP run draws the same noise);
+    :func:`load_checkpoint` gives back the same type.
 
     ``extra`` is a dict of plain data (numbers, strings, tensors, dict/list/tuple of them), e.g. a
     data loader's ``state_dict()``; anything else raises ``TypeError`` before a byte is written.
@@ -325,12 +330,11 @@ def save_checkpoint(
         (3, True)
     """
     path = os.fspath(path)
-    if not isinstance(state, TrainState):
+    dp_state = _state_types()["torchfn.persample.DPState"]
+    if not isinstance(state, TrainState | dp_state):
         raise TypeError(
-            f"save_checkpoint(path, state): expected a TrainState, got {type(state).__name__}; "
-            "another step's state (e.g. a DPState) is saved as extra, beside a TrainState: "
-            "save_checkpoint(path, train_state, extra={'dp': dp_state}), and comes back in "
-            "load_checkpoint's extra"
+            f"save_checkpoint(path, state): expected a TrainState or a DPState, got "
+            f"{type(state).__name__}"
         )
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"save_checkpoint(extra=...): expected a dict, got {type(extra).__name__}")
@@ -340,7 +344,7 @@ def save_checkpoint(
         "format_version": FORMAT_VERSION,
         "torch_version": str(torch.__version__),
         "torchfn_version": str(getattr(torchfn_module, "__version__", "unknown")),
-        "state": {
+        "state": {"step_state": _encode(state, "state")} if isinstance(state, dp_state) else {
             "params": _encode(dict(state.params), "state.params"),
             "buffers": _encode(dict(state.buffers), "state.buffers"),
             "opt_state": _encode(state.opt_state, "state.opt_state"),
@@ -380,8 +384,11 @@ def load_checkpoint(
     map_location: Any = None,
     optimizer: GradientTransformation | None = None,
     trainable: Any = None,
-) -> tuple[TrainState, dict[str, Any] | None]:
+) -> tuple[Any, dict[str, Any] | None]:
     """Return ``(state, extra)`` read from a checkpoint written by :func:`save_checkpoint`.
+
+    ``state`` is of the type saved: a :class:`TrainState` or a
+    :class:`torchfn.persample.DPState`.
 
     Loads with ``torch.load(weights_only=True)`` and ``map_location``, then rebuilds the
     :class:`TrainState` and the torchopt state NamedTuples. With ``optimizer`` given, the
@@ -425,6 +432,9 @@ def load_checkpoint(
         )
     try:
         stored = payload["state"]
+        if "step_state" in stored:  # a DPState, stored whole
+            return (_load_step_state(stored["step_state"], optimizer, trainable, path),
+                    _decode(payload["extra"], "extra", path))
         params = _decode(stored["params"], "state.params", path)
         buffers = _decode(stored["buffers"], "state.buffers", path)
         if optimizer is not None:
@@ -454,3 +464,26 @@ def load_checkpoint(
             f"({type(e).__name__}: {e})"
         ) from e
     return state, extra
+
+
+def _load_step_state(stored: Any, optimizer: GradientTransformation | None, trainable: Any,
+                     path: str) -> Any:
+    """Rebuild a state NamedTuple saved whole (a DPState); with ``optimizer``, its
+    ``opt_state`` on the template ``optimizer.init`` of the trained params."""
+    try:
+        if optimizer is None:
+            return _decode(stored, "state", path)
+        fields = dict(stored["fields"])
+        cls = _import_namedtuple(stored["type"], list(fields), "state", path)
+        params = _decode(fields["params"], "state.params", path)
+        names = StepOptions(trainable=trainable, where="load_checkpoint").trainable_names(params)
+        template = optimizer.init({k: params[k] for k in names})
+        rest = {f: _decode(v, f"state.{f}", path) for f, v in fields.items()
+                if f != "opt_state"}
+        return cls(**rest, opt_state=_decode_like(fields["opt_state"], template,
+                                                  "state.opt_state", path))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"load_checkpoint({path!r}): the checkpoint is missing or has malformed entries "
+            f"({type(e).__name__}: {e})"
+        ) from e
