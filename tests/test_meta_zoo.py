@@ -280,6 +280,10 @@ def test_dict_task_fields_are_checked_per_key():
     bad_type = tasks._replace(support_x={"input_ids": tasks.support_x["input_ids"], "n": 3})
     with pytest.raises(TypeError, match=r"tasks\.support_x\['n'\] must be a tensor"):
         learner.meta_grad(params, buffers, bad_type)
+    no_mask = tasks._replace(query_x={"input_ids": tasks.query_x["input_ids"]})
+    with pytest.raises(ValueError, match=r"support_x and tasks\.query_x must be the same kind "
+                       r"of input, got keys \['attention_mask', 'input_ids'\] and \['input_ids'\]"):
+        learner.meta_grad(params, buffers, no_mask)  # the query would run without its mask
 
 
 class _Norm(nn.Module):

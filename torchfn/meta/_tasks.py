@@ -107,6 +107,14 @@ def check_task_batch(tasks: object, call: str) -> None:
         if sizes[0] == 0:
             raise ValueError(f"{call}: {labels[0]} {shapes[labels[0]]} has no samples per task "
                              "(dim 1)")
+    sx, qx = tasks.support_x, tasks.query_x
+    if isinstance(sx, Mapping) != isinstance(qx, Mapping) or (
+            isinstance(sx, Mapping) and isinstance(qx, Mapping) and set(sx) != set(qx)):
+        def keys(x: object) -> str:
+            return str(sorted(x)) if isinstance(x, Mapping) else type(x).__name__
+        # the model would run differently on the two (e.g. a query without its attention mask)
+        raise ValueError(f"{call}: tasks.support_x and tasks.query_x must be the same kind of "
+                         f"input, got keys {keys(sx)} and {keys(qx)}")
 
 
 def sinusoid_tasks(
