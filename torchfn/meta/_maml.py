@@ -672,7 +672,11 @@ def maml(
 
     Args:
         model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
-            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`). Its
+            ``frozen`` attribute (make_functional's record of ``requires_grad=False``) keeps
+            those params out of the inner loop and the outer update; a function wrapping it
+            (e.g. to return HF ``.logits``) has none, so copy it: ``wrapper.frozen =
+            model_fn.frozen``.
         loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
         inner_steps: inner-loop steps per task (an int >= 1).
         inner_lr: learning rate of the default inner optimizer ``torchopt.sgd(inner_lr)``;
@@ -749,7 +753,11 @@ def fomaml(
 
     Args:
         model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
-            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`). Its
+            ``frozen`` attribute (make_functional's record of ``requires_grad=False``) keeps
+            those params out of the inner loop and the outer update; a function wrapping it
+            (e.g. to return HF ``.logits``) has none, so copy it: ``wrapper.frozen =
+            model_fn.frozen``.
         loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
         inner_steps: inner-loop steps per task (an int >= 1).
         inner_lr: learning rate of the default inner optimizer ``torchopt.sgd(inner_lr)``;
@@ -819,7 +827,11 @@ def anil(
 
     Args:
         model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
-            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`). Its
+            ``frozen`` attribute (make_functional's record of ``requires_grad=False``) keeps
+            those params out of the inner loop and the outer update; a function wrapping it
+            (e.g. to return HF ``.logits``) has none, so copy it: ``wrapper.frozen =
+            model_fn.frozen``.
         loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
         head: ``head(name) -> bool`` keeps the params the inner loop adapts (the head).
         inner_steps: inner-loop steps per task (an int >= 1).
@@ -897,7 +909,11 @@ def meta_sgd(
 
     Args:
         model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
-            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`). Its
+            ``frozen`` attribute (make_functional's record of ``requires_grad=False``) keeps
+            those params out of the inner loop and the outer update; a function wrapping it
+            (e.g. to return HF ``.logits``) has none, so copy it: ``wrapper.frozen =
+            model_fn.frozen``.
         loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
         inner_steps: inner-loop steps per task (an int >= 1).
         inner_lr: initial value of the learned per-parameter rates; ``None`` means 0.01.
@@ -975,7 +991,11 @@ def reptile(
 
     Args:
         model_fn: ``model_fn(params, buffers, x) -> (outputs, new_buffers)`` (torchfn's
-            stateless contract, e.g. from :func:`torchfn.functional.make_functional`).
+            stateless contract, e.g. from :func:`torchfn.functional.make_functional`). Its
+            ``frozen`` attribute (make_functional's record of ``requires_grad=False``) keeps
+            those params out of the inner loop and the outer update; a function wrapping it
+            (e.g. to return HF ``.logits``) has none, so copy it: ``wrapper.frozen =
+            model_fn.frozen``.
         loss_fn: ``loss_fn(outputs, targets) -> 0-d`` mean loss of one task's batch.
         inner_steps: inner-loop steps per task (an int >= 1).
         inner_lr: learning rate of the default inner optimizer ``torchopt.sgd(inner_lr)``;
