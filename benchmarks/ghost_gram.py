@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SMALL if device.type == "cpu" else [
         s for w in args.workloads.split(",") for s in WORKLOADS[w]]
     twin = torch.compile(plain_gram, dynamic=False)
-    _gram_triton.ensure_registered()  # before compiling a call of it (Dynamo cannot register)
+    _gram_triton.ensure_gram_op_registered()  # before compiling a call of it (Dynamo cannot register)
     fused_c = torch.compile(_gram_triton.fused_gram_norms_sq, dynamic=False)
     gen = torch.Generator(device).manual_seed(0)
     rows = [measure(shape, device, dtype, gen, twin, fused_c, args.configs) for shape in shapes]

@@ -24,7 +24,7 @@ from torchfn.persample import make_ghost_model
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here")
 needs_triton_op = pytest.mark.skipif(
-    not CUDA or not _gram_triton.ensure_registered(),
+    not CUDA or not _gram_triton.ensure_gram_op_registered(),
     reason="needs CUDA, Triton and torch >= 2.11 (the op registered)")
 
 

@@ -25,6 +25,7 @@ from torchfn.ops._ghost import clipped_linear_grad_sum as clipped_linear_grad_su
 from torchfn.ops._ghost import gram_is_cheaper as gram_is_cheaper
 from torchfn.ops._ghost import linear_bias_grad_norms_sq as linear_bias_grad_norms_sq
 from torchfn.ops._ghost import linear_grad_norms_sq as linear_grad_norms_sq
+from torchfn.ops._gram_triton import ensure_gram_op_registered as ensure_gram_op_registered
 from torchfn.ops._gram_triton import fused_gram_norms_sq as fused_gram_norms_sq
 from torchfn.ops._stacked_optim import stacked_adam_update as stacked_adam_update
 from torchfn.ops._stacked_optim import stacked_sgd_update as stacked_sgd_update
@@ -37,6 +38,7 @@ __all__ = [
     "build_ops",
     "clipped_linear_bias_grad_sum",
     "clipped_linear_grad_sum",
+    "ensure_gram_op_registered",
     "functorch_stack",
     "fused_gram_norms_sq",
     "gram_is_cheaper",

@@ -25,12 +25,13 @@ before 2.11, not CUDA, not float16/bfloat16, 2-D inputs, gradients needed,
 ``TORCHFN_OPS=reference``). More than 65535 samples (CUDA's limit on a grid's third
 dimension) run as several launches.
 
-The op is registered on first use outside a compiled function (:func:`ensure_registered`:
-:func:`torchfn.persample.make_ghost_model` calls it, and so does an eager call here), not at
+The op is registered on first use outside a compiled function
+(:func:`ensure_gram_op_registered`: :func:`torchfn.persample.make_ghost_model` calls it, and so
+does an eager call here), not at
 import: registering a ``triton_op`` imports Dynamo and Inductor (seconds), which a program that
 never compiles -- or each data-loader worker -- need not pay. Dynamo cannot register it while
 tracing, so a compiled function whose first call reaches :func:`fused_gram_norms_sq` before any
-eager use gets ``None`` (the plain form) until :func:`ensure_registered` has run.
+eager use gets ``None`` (the plain form) until :func:`ensure_gram_op_registered` has run.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from torch import Tensor
 
 from torchfn.ops import _build
 
-__all__ = ["MAX_WIDTH", "ensure_registered", "fused_gram_norms_sq", "gram_norms_config"]
+__all__ = [
+    "MAX_WIDTH", "ensure_gram_op_registered", "fused_gram_norms_sq", "gram_norms_config",
+]
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs lack it
     import triton
@@ -178,13 +181,23 @@ def _register() -> bool:
 
 # whether this install can run the op at all (no import of Dynamo or Inductor to find out)
 _AVAILABLE = (triton is not None and hasattr(torch.library, "triton_op") and _STRIDES_KEPT)
-_REGISTERED = False  # set by ensure_registered
+_REGISTERED = False  # set by ensure_gram_op_registered
 
 
-def ensure_registered() -> bool:
-    """Register the op now if this install can run it (Triton present, torch >= 2.11); return
-    whether it is registered. Idempotent; called outside compiled functions (Dynamo cannot trace
-    the registration), e.g. by :func:`torchfn.persample.make_ghost_model`."""
+def ensure_gram_op_registered() -> bool:
+    """Register the fused Gram-norm Triton op now, where this install can run it (Triton, as
+    CUDA builds of torch ship it, and torch >= 2.11); return whether it is registered.
+
+    Idempotent. Call it before compiling a function that calls :func:`fused_gram_norms_sq`
+    (Dynamo cannot trace the registration; a compiled call reaching the op unregistered uses
+    the plain form). :func:`torchfn.persample.make_ghost_model` calls it, so DP and ghost-norm
+    steps need nothing. It is not done at import because registering imports Dynamo and
+    Inductor (seconds).
+
+    Example:
+        >>> import torchfn
+        >>> registered = torchfn.ops.ensure_gram_op_registered()  # False on CPU-only installs
+    """
     global _REGISTERED
     if not _REGISTERED and _AVAILABLE:
         _REGISTERED = _register()
@@ -221,6 +234,6 @@ def fused_gram_norms_sq(a: Tensor, g: Tensor, bias: bool = False) -> Tensor | No
         return None
     if not _AVAILABLE or _build.mode() == "reference":
         return None
-    if not _REGISTERED and (torch.compiler.is_compiling() or not ensure_registered()):
+    if not _REGISTERED and (torch.compiler.is_compiling() or not ensure_gram_op_registered()):
         return None  # first reached while tracing: cannot register here (module doc)
     return torch.ops.torchfn.ghost_gram_norms_sq(a, g, bool(bias))

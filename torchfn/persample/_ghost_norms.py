@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from torchfn._checks import _call_model, _call_translated
 from torchfn.functional import FunctionalModel, make_functional, replace_recurrent
-from torchfn.ops._gram_triton import ensure_registered
+from torchfn.ops import ensure_gram_op_registered
 from torchfn.persample._ghost_grads import GhostGrads, GhostResult, Layer
 from torchfn.persample._ghost_instantiated import (
     DirectRule,
@@ -404,7 +404,7 @@ def make_ghost_model(
     if conv_method not in CONV_METHODS:
         raise ValueError(f"make_ghost_model(conv_method=...): expected one of {CONV_METHODS}, "
                          f"got {conv_method!r}")
-    ensure_registered()  # the fused Gram-norm op, where Triton is installed (its module doc)
+    ensure_gram_op_registered()  # the fused Gram-norm op, where Triton is installed
     tape = Tape()
     root_holder = nn.Module()
     # a deep copy, with nn.RNN/GRU/LSTM swapped for torchfn's (exact "recurrent" ghost rule)
