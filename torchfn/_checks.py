@@ -551,3 +551,13 @@ def check_state_type(state: Any, expected: type, where: str, init: str) -> None:
     if not isinstance(state, expected):
         raise TypeError(f"{where}: expected state to be a {expected.__name__} (built by "
                         f"{init}), got {type(state).__name__}")
+
+
+def lr_metric(lr_schedule: Any, state: Any) -> Tensor:
+    """``metrics["lr"]``: the lr a step applies, float32. A schedule is evaluated at the
+    optimizer's count, ``state.step`` minus the state's ``skipped`` steps: a skipped step keeps
+    the optimizer state, so its schedule count does not advance (per member for ensembles)."""
+    skipped = getattr(state, "skipped", None)
+    count = state.step if skipped is None else state.step - skipped
+    value = lr_schedule(count) if callable(lr_schedule) else lr_schedule
+    return torch.as_tensor(value, dtype=torch.float32)

@@ -28,7 +28,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 from torchopt.update import apply_updates
 
-from torchfn._checks import _replace
+from torchfn._checks import _replace, lr_metric
 
 __all__ = ["DonationPlan", "check_not_donated", "mark_donated", "refuse_compile"]
 
@@ -199,8 +199,7 @@ class DonationPlan:
             if getattr(state, "skipped", None) is not None:
                 fields["skipped"] = state.skipped + (~finite).to(state.skipped.dtype)
         if lr is not None:
-            value = lr(state.step) if callable(lr) else lr
-            metrics["lr"] = torch.as_tensor(value, dtype=torch.float32)
+            metrics["lr"] = lr_metric(lr, state)
         new_state = _replace(state, params=dict(params), buffers=new_buffers,
                              opt_state=optree.tree_unflatten(self.spec, out),
                              step=state.step + 1, **fields)

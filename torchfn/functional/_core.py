@@ -31,7 +31,7 @@ from torchopt.base import GradientTransformation
 from torchopt.typing import Schedule
 from torchopt.update import apply_updates
 
-from torchfn._checks import _foreach_map, _leaves_with_paths, _part, _replace
+from torchfn._checks import _foreach_map, _leaves_with_paths, _part, _replace, lr_metric
 
 __all__ = [
     "DynamicLossScaler",
@@ -669,11 +669,7 @@ def apply_gradients(
         fields["loss_scale"] = update_loss_scale(loss_scale, finite, opts.scaler)
         metrics["loss_scale"] = fields["loss_scale"].scale
     if opts.lr_schedule is not None:
-        # the schedule's count in the optimizer state advances only on applied steps (a
-        # skipped step keeps opt_state), so the lr applied now is at step - skipped
-        count = state.step if skipped is None else state.step - skipped
-        lr = opts.lr_schedule(count) if callable(opts.lr_schedule) else opts.lr_schedule
-        metrics["lr"] = torch.as_tensor(lr, dtype=torch.float32)
+        metrics["lr"] = lr_metric(opts.lr_schedule, state)
     new_state = _replace(state, params=new_params, buffers=new_buffers, opt_state=opt_state,
                                step=state.step + 1, **fields)
     return new_state, metrics
