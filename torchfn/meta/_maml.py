@@ -26,7 +26,7 @@ keep the fused kernels.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import optree
@@ -348,32 +348,35 @@ class MetaLearner:
 
     # -- task batches ------------------------------------------------------------------------------
 
-    def _chunks(self, tasks: Task) -> Iterator[Task]:
-        """Yield the ``chunk_size`` task chunks. With ``randomness="same"`` and more than one
-        chunk, every chunk starts from the same generator states (CPU and CUDA), so all tasks
-        share one set of random draws as they do unchunked (torch's chunked ``vmap`` does the
-        same); the generators end where one chunk's draws leave them."""
+    def _chunks(self, tasks: Task) -> list[Task]:
         n = n_tasks(tasks)
         c = n if self.chunk_size is None else min(self.chunk_size, n)
-        chunks = [Task(*(optree.tree_map(lambda t, i=i: t[i:i + c], f) for f in tasks))
-                  for i in range(0, n, c)]
-        if self.randomness != "same" or len(chunks) == 1:
-            yield from chunks
-            return
+        return [Task(*(optree.tree_map(lambda t, i=i: t[i:i + c], f) for f in tasks))
+                for i in range(0, n, c)]
+
+    def _replay_draws(self, n_chunks: int) -> Callable[[], None]:
+        """Return ``before_chunk()``, called before each of ``n_chunks`` task chunks. With
+        ``randomness="same"`` and more than one chunk it restores the generator states (CPU and
+        CUDA) of the first chunk, so all tasks share one set of random draws as they do
+        unchunked (torch's chunked ``vmap`` does the same; the generators end where one chunk's
+        draws leave them); otherwise it does nothing."""
+        if self.randomness != "same" or n_chunks == 1:
+            return lambda: None
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 f"MetaLearner(randomness='same', chunk_size={self.chunk_size}) under "
                 "torch.compile: every chunk must replay the same random draws, which needs the "
                 "generator state restored between chunks (not traceable); use chunk_size=None "
                 "or run eagerly")
-        cuda = torch.cuda.is_initialized()
         cpu_state = torch.get_rng_state()
-        cuda_states = torch.cuda.get_rng_state_all() if cuda else None
-        for chunk in chunks:
+        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+        def before_chunk() -> None:
             torch.set_rng_state(cpu_state)
             if cuda_states is not None:
                 torch.cuda.set_rng_state_all(cuda_states)
-            yield chunk
+
+        return before_chunk
 
     def meta_loss(
         self, meta_params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tasks: Task
@@ -403,7 +406,10 @@ class MetaLearner:
         def run() -> tuple[Tensor, TensorDict]:
             losses, bufs = [], []
             with self._attention_backend():
-                for chunk in self._chunks(tasks):
+                chunks = self._chunks(tasks)
+                before_chunk = self._replay_draws(len(chunks))
+                for chunk in chunks:
+                    before_chunk()
                     loss_t, buf_t = self._task_vmap(self.task_loss)(meta_params, buffers, chunk)
                     losses.append(loss_t)
                     bufs.append(buf_t)
@@ -481,7 +487,10 @@ class MetaLearner:
         total: TensorDict | None = None
         loss_sum: Tensor | None = None
         bufs = []
-        for chunk in self._chunks(tasks):
+        chunks = self._chunks(tasks)
+        before_chunk = self._replay_draws(len(chunks))
+        for chunk in chunks:
+            before_chunk()
             g, lsum, buf_t = chunk_grad(chunk)
             bufs.append(buf_t)
             total = g if total is None else {k: total[k] + g[k] for k in total}
