@@ -548,3 +548,10 @@ def test_imaml_does_not_adapt_frozen_params():
     fast, _ = imaml(model_fn, F.mse_loss, **kw).adapt(params, buffers, tasks.support_x[0],
                                                       tasks.support_y[0])
     assert all(torch.equal(fast[k], params[k]) for k in frozen)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.1, 0.0, "0.1", True])
+def test_inner_lr_is_checked_by_name(bad):
+    model_fn, _, _, _ = _dropout_setup()
+    with pytest.raises(ValueError, match=r"MetaLearner\(inner_lr=...\): expected a finite number"):
+        maml(model_fn, F.mse_loss, inner_lr=bad)

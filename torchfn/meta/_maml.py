@@ -26,6 +26,8 @@ keep the fused kernels.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -181,6 +183,10 @@ class MetaLearner:
             )
         if inner_lr is None:
             inner_lr = _DEFAULT_INNER_LR
+        if (isinstance(inner_lr, bool) or not isinstance(inner_lr, numbers.Real)
+                or not math.isfinite(inner_lr) or inner_lr <= 0):
+            raise ValueError(f"MetaLearner(inner_lr=...): expected a finite number > 0 (the "
+                             f"inner SGD step size), got {inner_lr!r}")
         self.model_fn = model_fn
         self._layer_norm = may_use_layer_norm(model_fn)
         self.loss_fn = loss_fn
