@@ -437,13 +437,7 @@ def load_checkpoint(
                     _decode(payload["extra"], "extra", path))
         params = _decode(stored["params"], "state.params", path)
         buffers = _decode(stored["buffers"], "state.buffers", path)
-        if optimizer is not None:
-            names = StepOptions(trainable=trainable, where="load_checkpoint").trainable_names(
-                params)
-            template = optimizer.init({k: params[k] for k in names})
-            opt_state = _decode_like(stored["opt_state"], template, "state.opt_state", path)
-        else:
-            opt_state = _decode(stored["opt_state"], "state.opt_state", path)
+        opt_state = _decode_opt_state(stored["opt_state"], params, optimizer, trainable, path)
         state = TrainState(
             params=params,
             buffers=buffers,
@@ -466,24 +460,25 @@ def load_checkpoint(
     return state, extra
 
 
+def _decode_opt_state(stored: Any, params: dict[str, Any],
+                      optimizer: GradientTransformation | None, trainable: Any,
+                      path: str) -> Any:
+    """The optimizer state as saved, or with ``optimizer`` rebuilt on the template
+    ``optimizer.init`` of the trained params (``trainable`` as given to the init function)."""
+    if optimizer is None:
+        return _decode(stored, "state.opt_state", path)
+    names = StepOptions(trainable=trainable, where="load_checkpoint").trainable_names(params)
+    template = optimizer.init({k: params[k] for k in names})
+    return _decode_like(stored, template, "state.opt_state", path)
+
+
 def _load_step_state(stored: Any, optimizer: GradientTransformation | None, trainable: Any,
                      path: str) -> Any:
-    """Rebuild a state NamedTuple saved whole (a DPState); with ``optimizer``, its
-    ``opt_state`` on the template ``optimizer.init`` of the trained params."""
-    try:
-        if optimizer is None:
-            return _decode(stored, "state", path)
-        fields = dict(stored["fields"])
-        cls = _import_namedtuple(stored["type"], list(fields), "state", path)
-        params = _decode(fields["params"], "state.params", path)
-        names = StepOptions(trainable=trainable, where="load_checkpoint").trainable_names(params)
-        template = optimizer.init({k: params[k] for k in names})
-        rest = {f: _decode(v, f"state.{f}", path) for f, v in fields.items()
-                if f != "opt_state"}
-        return cls(**rest, opt_state=_decode_like(fields["opt_state"], template,
-                                                  "state.opt_state", path))
-    except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(
-            f"load_checkpoint({path!r}): the checkpoint is missing or has malformed entries "
-            f"({type(e).__name__}: {e})"
-        ) from e
+    """Rebuild a state NamedTuple saved whole (a DPState), its ``opt_state`` by
+    :func:`_decode_opt_state` (called inside :func:`load_checkpoint`'s error translation)."""
+    fields = stored["fields"]
+    cls = _import_namedtuple(stored["type"], list(fields), "state", path)
+    values = {f: _decode(v, f"state.{f}", path) for f, v in fields.items() if f != "opt_state"}
+    opt_state = _decode_opt_state(fields["opt_state"], values["params"], optimizer, trainable,
+                                  path)
+    return cls(**values, opt_state=opt_state)
