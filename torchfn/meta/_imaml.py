@@ -125,11 +125,11 @@ class ImplicitMetaLearner(MetaLearner):
     def _split(self, meta_params: Mapping[str, Tensor]) -> tuple[TensorDict, TensorDict]:
         """``(theta, fixed)``, detached: the adapted meta-params (all but the model's frozen
         ones) and the others, which every model call takes as they are."""
-        names = set(self.adapted_names(meta_params))
-        theta = {k: meta_params[k].detach() for k in self._model_names(meta_params)
-                 if k in names}
-        fixed = {k: meta_params[k].detach() for k in self._model_names(meta_params)
-                 if k not in names}
+        adapted = set(self.adapted_names(meta_params))
+        theta: TensorDict = {}
+        fixed: TensorDict = {}
+        for k in self._model_names(meta_params):
+            (theta if k in adapted else fixed)[k] = meta_params[k].detach()
         return theta, fixed
 
     def adapt(
