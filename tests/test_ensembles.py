@@ -307,6 +307,52 @@ def test_compiled_inductor_equals_eager() -> None:
         torch.testing.assert_close(comp.params[k], eager.params[k], rtol=1e-9, atol=1e-11)
 
 
+def deep_mlp() -> nn.Module:
+    # 12 parameter leaves: more than one compiled norm group (torchfn.functional._core's
+    # _CAT_GROUP = 8 leaves are concatenated per norm while compiling)
+    layers = []
+    for i in range(6):
+        layers += [nn.Linear(D if i == 0 else H, C if i == 5 else H), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).to(F64)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+def test_compiled_norms_and_guard_equal_eager_with_a_nonfinite_member(max_grad_norm) -> None:
+    # compiled, the per-member norm reads the leaves in concatenated groups and one float64
+    # norm per member is also the non-finite guard: same numbers as eager, step by step, when
+    # one member's batch holds a NaN (that member skips, the others clip and step)
+    torch._dynamo.reset()
+    ens = Ensemble.from_seeds(deep_mlp, seeds=range(N))
+    opt = stacked_adam(lr=torch.full((N,), 1e-2, dtype=F64))
+    step = make_ensemble_train_step(ens.model_fn, nn.functional.cross_entropy, opt,
+                                    max_grad_norm=max_grad_norm)
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    s_e = init_ensemble_state(ens, opt, seed=0)
+    s_c = init_ensemble_state(ens, opt, seed=0)
+    # the first step's grad_norm against autograd on the members as plain modules
+    x0, y0 = data(0)
+    want = []
+    for n, m in enumerate(ens.members(s_e.params, s_e.buffers)):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(m(x0[n]), y0[n]),
+                                    list(m.parameters()))
+        want.append(torch.sqrt(sum((g**2).sum() for g in grads)))
+    for t in range(3):
+        x, y = data(t)
+        if t == 1:
+            x[1, 0, 0] = float("nan")
+        s_e, m_e = step(s_e, (x, y))
+        s_c, m_c = compiled(s_c, (x, y))
+        assert m_e["skipped"].tolist() == m_c["skipped"].tolist() == [False, t == 1, False]
+        torch.testing.assert_close(m_c["grad_norm"][[0, 2]], m_e["grad_norm"][[0, 2]],
+                                   rtol=1e-12, atol=0)
+        assert not torch.isfinite(m_c["grad_norm"][1]) or t != 1
+        if t == 0:
+            torch.testing.assert_close(m_c["grad_norm"], torch.stack(want), rtol=1e-12, atol=0)
+        for k in s_e.params:
+            torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-10, atol=1e-12)
+    assert int(s_c.skipped[1]) == 1 and int(s_c.skipped[0]) == 0
+
+
 def dropout_net() -> nn.Module:
     return nn.Sequential(nn.Linear(D, 32), nn.Dropout(0.5), nn.Linear(32, C)).to(F64)
 

@@ -178,6 +178,44 @@ def test_compiled_with_inductor_equals_eager():
     _assert_close(_adam_state(s_c).nu, _adam_state(s_e).nu, rtol=1e-5, atol=1e-9)
 
 
+def _pow_after_element_loop(code: str, numel: int) -> bool:
+    """Whether Inductor's C++ ``code`` computes a ``std::pow`` inside (after the start of) the
+    first loop over ``numel`` elements."""
+    lines = code.splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if "for(int64_t" in line and f"<static_cast<int64_t>({numel}L)" in line)
+    return any("std::pow" in line for line in lines[start:])
+
+
+@pytest.mark.parametrize("which", ["adam", "stacked"])
+def test_compiled_bias_corrections_are_computed_once_not_per_element(which):
+    # the bias corrections 1 - beta**count are 0-d: Inductor inlined their float64 pow into
+    # the per-element update kernel (compute-bound on a GPU) until compute_once realised them
+    from torch._inductor.utils import run_and_get_code
+
+    from torchfn.ops import reference
+
+    g, m, v = torch.randn(4, 1000), torch.zeros(4, 1000), torch.zeros(4, 1000)
+    count, lr = torch.tensor(3), torch.full((4,), 0.1)  # inputs: constants would be folded
+    if which == "stacked":
+        def fn(g, m, v, count):
+            return reference.stacked_adam_update(g, m, v, None, count, lr, None)
+    else:
+        opt = adam(lr=0.1)
+
+        def fn(g, m, v, count):
+            state = opt.init({"w": m})
+            state = (state[0]._replace(count={"w": count}),) + tuple(state[1:])
+            return opt.update({"w": g}, state, inplace=False)[0]["w"]
+    torch._dynamo.reset()
+    out, (code, *_) = run_and_get_code(torch.compile(fn, fullgraph=True), g, m, v, count)
+    assert "std::pow" in code
+    # the stacked update loops over (member, element); adam over the flat leaf
+    assert not _pow_after_element_loop(code, 1000 if which == "stacked" else 4000)
+    ref = fn(g, m, v, count)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-7)
+
+
 def _unrolled(opt_fn, w0, x, y, steps, use_func_grad):
     """Return the loss after ``steps`` differentiable updates of a linear model from ``w0``."""
 

@@ -32,6 +32,23 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def compute_once(t: Tensor) -> Tensor:
+    """Return ``t`` itself; while compiling, as a buffer Inductor computes once.
+
+    For the small tensors that every element of a large elementwise kernel reads, such as
+    Adam's bias corrections ``1 / (1 - beta**count)``: Inductor inlines a cheap-looking
+    pointwise producer into each consumer kernel, so without this the float64 ``pow`` and
+    division ran once per parameter element (compute-bound at float64 throughput, half the
+    update kernel's time for an MLP ensemble on an H200). ``as_strided`` with the tensor's own
+    layout is an identity whose lowering materialises its input (an undocumented Inductor
+    behaviour; ``tests/test_optim.py`` pins it on the CPU). Eager calls return ``t``
+    unchanged, so eager results are the same bits.
+    """
+    if not torch.compiler.is_compiling():
+        return t
+    return torch.as_strided(t, t.shape, t.stride())
+
+
 def _resolve_seed(seed: int | torch.Generator, owner: str) -> int:
     """Return an int seed: ``seed`` itself, or one 63-bit draw from the given generator."""
     if isinstance(seed, torch.Generator):

@@ -460,13 +460,24 @@ def _norm(leaves: list[Tensor], per_member: bool) -> Tensor:
     """Global L2 norm of ``leaves`` (``(N,)`` per member with ``per_member``)."""
     if not leaves:
         return torch.zeros(())
-    dtype = _norm_dtype(leaves)
-    if per_member:
-        n = leaves[0].shape[0]
-        norms = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1).to(dtype) for g in leaves]
-        return torch.linalg.vector_norm(torch.stack(norms), dim=0)
-    norms = [torch.linalg.vector_norm(g).to(dtype) for g in leaves]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return _norm_and_finite(leaves, per_member)[0]
+
+
+#: leaves per concatenation in a compiled norm: Inductor reads up to 8 inputs of a ``cat``
+#: in place (masked loads in the consumer) and copies larger ones into a new buffer
+_CAT_GROUP = 8
+
+
+def _flat_groups(leaves: list[Tensor], per_member: bool) -> list[Tensor]:
+    """``leaves`` flattened (``(N, -1)`` per member, else ``(-1,)``) for one norm each: one per
+    leaf eagerly; while compiling, groups of up to :data:`_CAT_GROUP` concatenated, which
+    Inductor reads in place, so a group's norm is one reduction kernel, not one per leaf."""
+    n = leaves[0].shape[0] if per_member else None
+    flat = [t.reshape(n, -1) if per_member else t.reshape(-1) for t in leaves]
+    if not torch.compiler.is_compiling() or len(flat) == 1:
+        return flat
+    return [torch.cat(flat[i:i + _CAT_GROUP], -1) if len(flat[i:i + _CAT_GROUP]) > 1
+            else flat[i] for i in range(0, len(flat), _CAT_GROUP)]
 
 
 def _eager_multi_tensor(leaves: list[Tensor]) -> bool:
@@ -481,28 +492,24 @@ def _eager_multi_tensor(leaves: list[Tensor]) -> bool:
     return all(t.device == device for t in leaves)
 
 
-def _norm_and_finite(leaves: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Return ``(global L2 norm, all elements finite)`` of ``leaves`` (one model, no member
-    axis) from per-leaf norms accumulated in float64: a leaf's float64 norm is finite exactly
-    when all its elements are (no float32, bf16 or fp16 value can overflow it; a float64 leaf
-    whose norm overflows float64, above about 1e154 per element, counts as non-finite). In
-    eager mode the per-leaf norms are one multi-tensor kernel (``torch._foreach_norm``)."""
+def _norm_and_finite(leaves: list[Tensor], per_member: bool = False
+                     ) -> tuple[Tensor, Tensor]:
+    """Return ``(global L2 norm, all elements finite)`` of ``leaves`` (0-d, or ``(N,)`` per
+    member with ``per_member``) from norms accumulated in float64: a float64 norm is finite
+    exactly when all its elements are (no float32, bf16 or fp16 value can overflow it; a
+    float64 leaf whose norm overflows float64, above about 1e154 per element, counts as
+    non-finite). So one read of every gradient gives both the ``grad_norm`` metric and the
+    non-finite guard. In eager mode the per-leaf norms of one model are one multi-tensor kernel
+    (``torch._foreach_norm``); compiled, leaves are read in groups (:func:`_flat_groups`)."""
     dtype = _norm_dtype(leaves)
-    if _eager_multi_tensor(leaves):
+    if not per_member and _eager_multi_tensor(leaves):
         norms = torch._foreach_norm(leaves, 2, dtype=torch.float64)
     else:
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in leaves]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+        dim = 1 if per_member else None
+        norms = [torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
+                 for x in _flat_groups(leaves, per_member)]
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), dim=0)
     return total.to(dtype), torch.isfinite(total)
-
-
-def _finite(leaves: list[Tensor], per_member: bool) -> Tensor:
-    if per_member:
-        n = leaves[0].shape[0]
-        flags = [torch.isfinite(t.reshape(n, -1)).all(1) for t in leaves]
-    else:
-        flags = [torch.isfinite(t).all() for t in leaves]
-    return torch.stack(flags).all(0)
 
 
 def _scale_tree(tree: TensorDict, factor: Tensor, per_member: bool) -> TensorDict:
@@ -603,6 +610,7 @@ def apply_gradients(
     leaves = list(g.values())
     finite: Tensor | None = None
     grad_norm: Tensor | None = None
+    zeroed: Tensor | None = None  # per member: False where the grads were set to zero
     if grads_finite is not None and per_member:
         raise ValueError(f"{where}: grads_finite is for one model (per_member=False)")
     if (grads_finite is not None and opts.max_grad_norm is None and opts.clip_value is None
@@ -610,23 +618,20 @@ def apply_gradients(
         # the caller proved finiteness more cheaply than a pass over every gradient
         if opts.guard:
             finite = grads_finite.to(device=leaves[0].device, dtype=torch.bool)
-    elif per_member or not leaves:
-        if opts.guard and leaves:
-            with _part("torchfn.nonfinite_guard"):
-                finite = _finite(leaves, per_member)
-        with _part("torchfn.clip"):
-            grad_norm = _norm(leaves, per_member)
-            if finite is not None:  # one member's non-finite grads must not reach the others
-                g = {k: torch.where(_member_view(finite, t), t, torch.zeros_like(t))
-                     for k, t in g.items()}
+    elif not leaves:
+        grad_norm = _norm(leaves, per_member)
     else:
-        # one model: the norm says whether every element is finite; a non-finite step is
-        # discarded whole below (params, buffers and optimizer state kept), so its grads need
-        # no zeroing first
+        # one float64 norm per member says whether all its elements are finite too
         with _part("torchfn.clip"):
-            grad_norm, all_finite = _norm_and_finite(leaves)
+            grad_norm, all_finite = _norm_and_finite(leaves, per_member)
         if opts.guard:
             finite = all_finite
+            if per_member:  # one member's non-finite grads must not reach the others
+                zeroed = all_finite
+                g = {k: torch.where(_member_view(zeroed, t), t, torch.zeros_like(t))
+                     for k, t in g.items()}
+        # one model: a non-finite step is discarded whole below (params, buffers and
+        # optimizer state kept), so its grads need no zeroing first
     if finite is not None and loss is not None:
         finite = finite & torch.isfinite(loss.detach())
     with _part("torchfn.clip"):
@@ -634,10 +639,13 @@ def apply_gradients(
             v = float(opts.clip_value)
             g = {k: t.clamp(-v, v) for k, t in g.items()}
         if opts.max_grad_norm is not None and leaves:
-            if opts.clip_value is None and (finite is None or not per_member):
-                norm = grad_norm  # nothing changed the grads since it was taken
-            else:
+            if opts.clip_value is not None:
                 norm = _norm(list(g.values()), per_member)
+            elif zeroed is not None:
+                # the zeroed members' grads have norm 0; the others are as measured
+                norm = torch.where(zeroed, grad_norm, torch.zeros_like(grad_norm))
+            else:
+                norm = grad_norm  # nothing changed the grads since it was taken
             coef = torch.clamp(opts.max_grad_norm / (norm + 1e-6), max=1.0)
             g = _scale_tree(g, coef, per_member)
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from torchfn._checks import _opmath
+from torchfn._checks import _opmath, compute_once
 
 __all__ = [
     "clipped_linear_bias_grad_sum",
@@ -226,11 +226,12 @@ def _per_member(t: Tensor, ndim: int, dtype: torch.dtype) -> Tensor:
 def _inv_bias_corrections(
     count: Tensor, beta1: float, beta2: float, ndim: int, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """Return ``1 / (1 - beta**count)`` for both betas, computed in float64, in ``dtype``."""
+    """Return ``1 / (1 - beta**count)`` for both betas, computed in float64, in ``dtype``
+    (once per step while compiling, not per element: :func:`torchfn._checks.compute_once`)."""
     work = torch.float32 if count.device.type == "mps" else torch.float64
     t = _per_member(count, ndim, work)
-    inv1 = (1.0 / (1.0 - torch.pow(beta1, t))).to(dtype)
-    inv2 = (1.0 / (1.0 - torch.pow(beta2, t))).to(dtype)
+    inv1 = compute_once((1.0 / (1.0 - torch.pow(beta1, t))).to(dtype))
+    inv2 = compute_once((1.0 / (1.0 - torch.pow(beta2, t))).to(dtype))
     return inv1, inv2
 
 

@@ -29,7 +29,7 @@ from torchopt.transform.add_decayed_weights import masked
 from torchopt.transform.scale_by_adam import ScaleByAdamState
 from torchopt.typing import OptState, Params, ScalarOrSchedule, Updates
 
-from torchfn._checks import _foreach_map
+from torchfn._checks import _foreach_map, compute_once
 
 __all__ = ["adam", "adamw", "scale_by_adam"]
 
@@ -70,9 +70,10 @@ def _check_hparams(
 
 
 def _bias_correction(decay: float, count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Return ``1 - decay**count`` as a 0-d tensor in ``dtype`` promoted to at least float32."""
+    """Return ``1 - decay**count`` as a 0-d tensor in ``dtype`` promoted to at least float32
+    (once per step while compiling, not per element: :func:`torchfn._checks.compute_once`)."""
     work = torch.promote_types(dtype, torch.float32)
-    return 1.0 - torch.pow(decay, count.to(work))
+    return compute_once(1.0 - torch.pow(decay, count.to(work)))
 
 
 def _stack_cast(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
