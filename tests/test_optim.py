@@ -205,7 +205,7 @@ def test_compiled_bias_corrections_are_computed_once_not_per_element(which):
 
         def fn(g, m, v, count):
             state = opt.init({"w": m})
-            state = (state[0]._replace(count={"w": count}),) + tuple(state[1:])
+            state = (state[0]._replace(count={"w": count}), *state[1:])
             return opt.update({"w": g}, state, inplace=False)[0]["w"]
     torch._dynamo.reset()
     out, (code, *_) = run_and_get_code(torch.compile(fn, fullgraph=True), g, m, v, count)
