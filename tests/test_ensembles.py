@@ -308,8 +308,7 @@ def test_compiled_inductor_equals_eager() -> None:
 
 
 def deep_mlp() -> nn.Module:
-    # 12 parameter leaves: more than one compiled norm group (torchfn.functional._core's
-    # _CAT_GROUP = 8 leaves are concatenated per norm while compiling)
+    # 12 parameter leaves
     layers = []
     for i in range(6):
         layers += [nn.Linear(D if i == 0 else H, C if i == 5 else H), nn.Tanh()]
@@ -318,8 +317,8 @@ def deep_mlp() -> nn.Module:
 
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05])
 def test_compiled_norms_and_guard_equal_eager_with_a_nonfinite_member(max_grad_norm) -> None:
-    # compiled, the per-member norm reads the leaves in concatenated groups and one float64
-    # norm per member is also the non-finite guard: same numbers as eager, step by step, when
+    # one float64 norm per member is both the grad_norm metric and the non-finite guard (and,
+    # zeroed for a skipped member, the clipping norm): compiled equals eager, step by step, when
     # one member's batch holds a NaN (that member skips, the others clip and step)
     torch._dynamo.reset()
     ens = Ensemble.from_seeds(deep_mlp, seeds=range(N))

@@ -463,23 +463,6 @@ def _norm(leaves: list[Tensor], per_member: bool) -> Tensor:
     return _norm_and_finite(leaves, per_member)[0]
 
 
-#: leaves per concatenation in a compiled norm: Inductor reads up to 8 inputs of a ``cat``
-#: in place (masked loads in the consumer) and copies larger ones into a new buffer
-_CAT_GROUP = 8
-
-
-def _flat_groups(leaves: list[Tensor], per_member: bool) -> list[Tensor]:
-    """``leaves`` flattened (``(N, -1)`` per member, else ``(-1,)``) for one norm each: one per
-    leaf eagerly; while compiling, groups of up to :data:`_CAT_GROUP` concatenated, which
-    Inductor reads in place, so a group's norm is one reduction kernel, not one per leaf."""
-    n = leaves[0].shape[0] if per_member else None
-    flat = [t.reshape(n, -1) if per_member else t.reshape(-1) for t in leaves]
-    if not torch.compiler.is_compiling() or len(flat) == 1:
-        return flat
-    return [torch.cat(flat[i:i + _CAT_GROUP], -1) if len(flat[i:i + _CAT_GROUP]) > 1
-            else flat[i] for i in range(0, len(flat), _CAT_GROUP)]
-
-
 def _eager_multi_tensor(leaves: list[Tensor]) -> bool:
     """Whether the multi-tensor (``torch._foreach_*``) kernels may replace a per-leaf loop: in
     eager mode only (see :func:`torchfn._checks._foreach_ok` for compiled steps), outside
@@ -500,14 +483,18 @@ def _norm_and_finite(leaves: list[Tensor], per_member: bool = False
     float64 leaf whose norm overflows float64, above about 1e154 per element, counts as
     non-finite). So one read of every gradient gives both the ``grad_norm`` metric and the
     non-finite guard. In eager mode the per-leaf norms of one model are one multi-tensor kernel
-    (``torch._foreach_norm``); compiled, leaves are read in groups (:func:`_flat_groups`)."""
+    (``torch._foreach_norm``)."""
+    # compiled: one reduction per leaf (a torch.cat of the leaves under one norm looks like
+    # fewer kernels, but Inductor materialises the cat as a copy instead of reading in place)
     dtype = _norm_dtype(leaves)
     if not per_member and _eager_multi_tensor(leaves):
         norms = torch._foreach_norm(leaves, 2, dtype=torch.float64)
+    elif per_member:
+        n = leaves[0].shape[0]
+        norms = [torch.linalg.vector_norm(g.reshape(n, -1), dim=1, dtype=torch.float64)
+                 for g in leaves]
     else:
-        dim = 1 if per_member else None
-        norms = [torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
-                 for x in _flat_groups(leaves, per_member)]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in leaves]
     total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), dim=0)
     return total.to(dtype), torch.isfinite(total)
 
