@@ -717,7 +717,10 @@ def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
     meta = result["meta"]
-    out = [f"# Sweep: torchfn default steps vs JAX ({meta.get('device', '?')})", "",
+    runs = sorted({r["run"] for r in rows if r.get("run")})
+    several = len(runs) > 1  # a merge of runs: each row names its own
+    devices = sorted({run.rsplit(", ", 1)[0] for run in runs}) or [meta.get("device", "?")]
+    out = [f"# Sweep: torchfn default steps vs JAX ({' / '.join(devices)})", "",
            f"- Date: {meta['date']}. torch {meta.get('torch', '?')}, jax "
            f"{meta.get('jax', 'not run')}. fp32, TF32 off on both sides.",
            f"- Command: `{meta['command']}`",
@@ -730,7 +733,13 @@ def markdown(result: dict[str, Any]) -> str:
            f"{len(ratios)} timed configs ({len(rows)} selected)"
            + (f"; ratio min {min(ratios):.2f}, max {max(ratios):.2f}" if ratios else ""), "",
            "| family | config | torchfn ms | JAX ms | JAX / torchfn | first call s torchfn / JAX "
-           "| peak MiB torchfn / JAX | loss rel. diff |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "| peak MiB torchfn / JAX | loss rel. diff |" + (" run (device, date) |" if several else ""),
+           "|---|---|---:|---:|---:|---:|---:|---:|" + ("---|" if several else "")]
+    if several:
+        out[2] = (f"- Merged runs ({len(runs)}), each row's in its last column: a ratio compares "
+                  "the two sides within one run (same machine); rows of different runs are not "
+                  f"comparable in ms. torch {meta.get('torch', '?')}, jax "
+                  f"{meta.get('jax', 'not run')} (the last run's). fp32, TF32 off on both sides.")
     for r in rows:
         t, j = r.get("torchfn"), r.get("jax")
         ratio = f"**{r['ratio']:.2f}**" if r.get("ratio") is not None else "-"
@@ -739,7 +748,8 @@ def markdown(result: dict[str, Any]) -> str:
                    f"| {cell(j, 'median_ms', '.3f', why=True)} | {ratio} | "
                    f"{cell(t, 'first_call_s', '.1f')} / {cell(j, 'first_call_s', '.1f')} | "
                    f"{cell(t, 'peak_bytes', '.0f', 2**-20)} / "
-                   f"{cell(j, 'peak_bytes', '.0f', 2**-20)} | {diff} |")
+                   f"{cell(j, 'peak_bytes', '.0f', 2**-20)} | {diff} |"
+                   + (f" {r.get('run', '?')} |" if several else ""))
     recipes: dict[str, set[str]] = {}
     for r in rows:
         for side in SIDES:
@@ -773,8 +783,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(rows)), [f"{r['family']}/{r['config']}" for r in rows],
                   rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("JAX time / torchfn time (> 1: torchfn faster)")
+    devices = sorted({r["run"].rsplit(", ", 1)[0] for r in rows if r.get("run")})
     ax.set_title(f"torchfn default steps vs JAX, fp32 TF32 off, "
-                 f"{result['meta'].get('device', '?')}", fontsize=9)
+                 f"{' / '.join(devices) or result['meta'].get('device', '?')}", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -818,6 +829,8 @@ def merge(paths: list[str]) -> dict[str, Any]:
         meta = {**res["meta"], "command": " ; ".join(
             x for x in (meta.get("command"), res["meta"]["command"]) if x)}
         for r in res["rows"]:
+            # each row keeps the machine and date of the run that timed it
+            r.setdefault("run", f"{res['meta'].get('device', '?')}, {res['meta']['date']}")
             rows[r["family"], r["config"]] = r
     order = {(f, c["name"]): (FAMILIES.index(f), i)
              for f in FAMILIES for i, c in enumerate(CONFIGS[f])}

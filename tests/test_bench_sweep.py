@@ -76,12 +76,18 @@ def test_budget_too_small_skips_everything_and_merge(tmp_path: Path):
            "jax": {"median_ms": 3.0, "first_call_s": 1.0, "peak_bytes": 2**21}}
     sweep.add_ratio(row)
     b = tmp_path / "b.json"
-    b.write_text(json.dumps({"meta": {**res["meta"], "command": "second"}, "rows": [row]}))
+    b.write_text(json.dumps({"meta": {**res["meta"], "command": "second", "device": "GPU B",
+                                      "date": "2026-01-02 03:04"}, "rows": [row]}))
     merged = tmp_path / "m.md"
     assert sweep.main(["--merge", str(out), str(b), "--md", str(merged)]) == 0
     text = merged.read_text()
     assert "| dp | mlp-b1024 | 2.000 | 3.000 | **1.50** | 1.0 / 1.0 | 1 / 2 |" in text
     assert "1 of 1 timed configs (4 selected)" in text
+    # rows from runs on different machines: each names its run, the title both devices
+    assert "| - | GPU B, 2026-01-02 03:04 |" in text
+    first = res["meta"].get("device", "?")  # no device in a CPU run's meta
+    assert f"| - | {first}, {res['meta']['date']} |" in text
+    assert f"({' / '.join(sorted([first, 'GPU B']))})" in text
 
 
 def test_a_first_call_out_of_memory_is_retried_alone(tmp_path: Path, monkeypatch, capsys):

@@ -163,8 +163,11 @@ def make_ensemble_train_step(
     the members, e.g. a stacked optimizer's step count, advances if any member does).
 
     ``metrics``: ``loss``, ``skipped`` and (unless ``grad_norm=False``) ``grad_norm``, all
-    ``(N,)``; the norms read every gradient once more, so a sweep that never looks at them
-    can skip them. No host syncs: ``torch.compile(step, fullgraph=True)`` traces
+    ``(N,)``. The non-finite guard and the norms share one read of every gradient (a float64
+    norm per member is finite exactly when all its elements are); with ``skip_nonfinite=False``
+    and ``grad_norm=False`` that read goes too, and the optimizer can follow the backward
+    directly: on sub-millisecond GPU steps that pass is measurable (``benchmarks/README.md``:
+    the sweep's SGD ensembles). No host syncs: ``torch.compile(step, fullgraph=True)`` traces
     once and does not recompile across steps. For the fastest GPU steps use
     :func:`torchfn.functional.make_graphed_step` (compiled, one CUDA graph, state updated in
     place). With
