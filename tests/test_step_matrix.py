@@ -865,6 +865,41 @@ def test_a_module_or_another_steps_state_is_refused_by_name() -> None:
            torch.ones(4, dtype=torch.bool))
 
 
+def test_another_optimizers_state_is_refused_by_name() -> None:
+    """A state built with one optimizer, stepped with another (a switch from SGD to AdamW
+    mid-experiment): torchopt's own message was "The number of updates and states has to be
+    the same in chain!"; the step now names both states and the fix -- train, ensemble and DP
+    steps (they share apply_gradients)."""
+    model_fn, params, buffers = make_functional(nn.Linear(3, 2))
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    want = r"opt_state is not this optimizer's state: it holds \(EmptyState\).*builds \(Scale"
+    with pytest.raises(ValueError, match=want):
+        make_train_step(model_fn, F.mse_loss, adamw(LR))(
+            init_train_state(params, buffers, torchopt.sgd(0.1), seed=0), (x, y))
+    ens = Ensemble.from_seeds(lambda: nn.Linear(3, 2), seeds=range(2))
+    with pytest.raises(ValueError, match=want):
+        make_ensemble_train_step(ens.model_fn, F.mse_loss, adamw(LR))(
+            init_ensemble_state(ens, torchopt.sgd(0.1), seed=0),
+            (torch.randn(2, 4, 3), torch.randn(2, 4, 2)))
+    ghost, gp, gb = make_ghost_model(nn.Linear(3, 2))
+    dp = make_dp_train_step(ghost, lambda o, t: ((o - t) ** 2).mean(1), adamw(LR),
+                            max_grad_norm=1.0, noise_multiplier=1.0, sample_rate=0.1,
+                            dataset_size=40)
+    with pytest.raises(ValueError, match=want):
+        dp(init_dp_state(gp, gb, torchopt.sgd(0.1), seed=0), (x, y),
+           torch.ones(4, dtype=torch.bool))
+    # the right state still steps; an optimizer's own error on its own state passes through
+    state = init_train_state(params, buffers, adamw(LR), seed=0)
+    make_train_step(model_fn, F.mse_loss, adamw(LR))(state, (x, y))
+
+    def refuse(updates, state, *, params=None, inplace=True):
+        raise ValueError("this optimizer refuses")
+
+    picky = torchopt.base.GradientTransformation(adamw(LR).init, refuse)
+    with pytest.raises(ValueError, match="^this optimizer refuses$"):
+        make_train_step(model_fn, F.mse_loss, picky)(state, (x, y))
+
+
 def test_amp_on_a_float64_model_is_refused() -> None:
     """autocast leaves float64 alone: amp= on a float64 model changed nothing, silently."""
     model_fn, params, buffers = make_functional(nn.Linear(3, 2).double())

@@ -405,6 +405,33 @@ def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
     )
 
 
+def _state_kinds(tree: Any) -> str:
+    """The state's node types, e.g. ``(ScaleByAdamState, EmptyState)``, for an error."""
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return "(" + ", ".join(type(t).__name__ for t in tree) + ")"
+    return type(tree).__name__
+
+
+def _other_optimizer_state(optimizer: GradientTransformation, opt_state: Any,
+                           params: Mapping[str, Tensor]) -> str | None:
+    """After ``optimizer.update`` raised: a message if ``opt_state`` is not the state this
+    optimizer builds for ``params`` (another optimizer's, say), by comparing tree structures
+    with ``optimizer.init`` on meta tensors; None if it is (the error was something else)."""
+    try:
+        want = optimizer.init({k: torch.empty_like(v, device="meta") for k, v in params.items()})
+    except Exception:  # an init that cannot run on meta tensors: nothing to compare
+        return None
+    spec = optree.tree_structure(opt_state, none_is_leaf=True)
+    if spec == optree.tree_structure(want, none_is_leaf=True):
+        return None
+    return (f"the state's opt_state is not this optimizer's state: it holds "
+            f"{_state_kinds(opt_state)}, the step's optimizer builds {_state_kinds(want)}. "
+            "Build the state with the optimizer the step uses (init_train_state(params, "
+            "buffers, optimizer, ...) / init_ensemble_state / init_dp_state with the same "
+            "optimizer), or rebuild opt_state with optimizer.init(params) when switching "
+            "optimizers")
+
+
 def _opt_covers_all(opt_state: Any, params: Mapping[str, Tensor], names: tuple[str, ...],
                     where: str, optimizer: GradientTransformation | None = None) -> bool:
     """Return True if ``opt_state`` covers every param (frozen ones too), False if it covers
@@ -642,7 +669,14 @@ def apply_gradients(
     else:
         g_in, p_in = g, {k: params[k] for k in names}
     with _part("torchfn.optimizer"):
-        updates, opt_state = optimizer.update(g_in, state.opt_state, params=p_in, inplace=False)
+        try:
+            updates, opt_state = optimizer.update(g_in, state.opt_state, params=p_in,
+                                                  inplace=False)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            other = _other_optimizer_state(optimizer, state.opt_state, p_in)
+            if other is None:
+                raise
+            raise ValueError(f"{where}: {other}") from exc
         updated = _apply_updates(p_in, updates)
     new_params = {k: updated[k] if k in g else v for k, v in params.items()}
     new_buffers = dict(buffers) if buffers is not None else state.buffers
