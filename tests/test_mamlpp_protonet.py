@@ -410,6 +410,16 @@ def test_clear_errors():
     too_big = Task(tasks.support_x, tasks.support_y + 1, tasks.query_x, tasks.query_y)
     with pytest.raises(ValueError, match=r"class ids in 0..2 \(n_way=3\), got values in 1..3"):
         learner.meta_loss(_embed_params(), {}, too_big)
+    # query ids past n_way were an out-of-bounds gather (a device-side assert on CUDA), one-hot
+    # label rows a shape error inside the loss
+    big_query = Task(tasks.support_x, tasks.support_y, tasks.query_x, tasks.query_y + N_WAY)
+    with pytest.raises(ValueError, match=r"query labels must be class ids in 0..2 \(n_way=3\)"):
+        learner.meta_loss(_embed_params(), {}, big_query)
+    one_hot = Task(tasks.support_x, F.one_hot(tasks.support_y, N_WAY), tasks.query_x,
+                   tasks.query_y)
+    with pytest.raises(ValueError, match=r"tasks.support_y must be class ids of shape \(T, n\), "
+                       r"got shape \(\d+, \d+, 3\)"):
+        learner.meta_grad(_embed_params(), {}, one_hot)
     with pytest.raises(TypeError, match=r"protonet has no inner loop.*learner.logits"):
         learner.adapt(_embed_params(), {}, tasks.support_x[0], tasks.support_y[0])
     flat = protonet(lambda p, b, x: (x[..., None] * p["w"][0, 0], b), n_way=N_WAY)

@@ -125,13 +125,18 @@ class MetricLearner(MetaLearner):
                 seen = y.dtype if isinstance(y, Tensor) else type(y).__name__
                 raise ValueError(f"{where}: tasks.{name} must be int64 class ids (T, n), "
                                  f"got {seen}")
+            if y.ndim != 2:  # e.g. one-hot rows (T, n, n_way)
+                raise ValueError(f"{where}: tasks.{name} must be class ids of shape (T, n), "
+                                 f"got shape {tuple(y.shape)}")
         if torch.compiler.is_compiling():  # value checks are host syncs: eager only
             return
+        for kind in ("support", "query"):  # a query id >= n_way: an out-of-bounds gather
+            y = getattr(tasks, f"{kind}_y")
+            if y.numel() and (bool((y < 0).any()) or bool((y >= self.n_way).any())):
+                raise ValueError(f"{where}: {kind} labels must be class ids in "
+                                 f"0..{self.n_way - 1} (n_way={self.n_way}), got values in "
+                                 f"{int(y.min())}..{int(y.max())}")
         y = tasks.support_y
-        if bool((y < 0).any()) or bool((y >= self.n_way).any()):
-            raise ValueError(f"{where}: support labels must be class ids in 0..{self.n_way - 1} "
-                             f"(n_way={self.n_way}), got values in {int(y.min())}.."
-                             f"{int(y.max())}")
         counts = (y[..., None] == torch.arange(self.n_way, device=y.device)).sum(1)  # (T, n)
         empty = (counts == 0).nonzero()
         if len(empty):
