@@ -38,11 +38,10 @@ def compute_once(t: Tensor) -> Tensor:
     For the small tensors that every element of a large elementwise kernel reads, such as
     Adam's bias corrections ``1 / (1 - beta**count)``: Inductor inlines a cheap-looking
     pointwise producer into each consumer kernel, so without this the float64 ``pow`` and
-    division ran once per parameter element (compute-bound at float64 throughput, half the
-    update kernel's time for an MLP ensemble on an H200). ``as_strided`` with the tensor's own
-    layout is an identity whose lowering materialises its input (an undocumented Inductor
-    behaviour; ``tests/test_optim.py`` pins it on the CPU). Eager calls return ``t``
-    unchanged, so eager results are the same bits.
+    division run once per parameter element (compute-bound at a GPU's float64 throughput).
+    ``as_strided`` with the tensor's own layout is an identity whose lowering materialises its
+    input (an undocumented Inductor behaviour; ``tests/test_optim.py`` pins it on the CPU).
+    Eager calls return ``t`` unchanged, so eager results are the same bits.
     """
     if not torch.compiler.is_compiling():
         return t
