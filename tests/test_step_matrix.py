@@ -896,7 +896,7 @@ def test_another_optimizers_state_is_refused_by_name() -> None:
         raise ValueError("this optimizer refuses")
 
     picky = torchopt.base.GradientTransformation(adamw(LR).init, refuse)
-    with pytest.raises(ValueError, match="^this optimizer refuses$"):
+    with pytest.raises(ValueError, match=r"^this optimizer refuses$"):
         make_train_step(model_fn, F.mse_loss, picky)(state, (x, y))
 
 
