@@ -362,6 +362,13 @@ def _opt_state_key_sets(opt_state: Any) -> set[frozenset[str]]:
 _COVERS_CACHE: dict[int, tuple[Any, dict[Any, bool]]] = {}
 
 
+def _meta_init(optimizer: GradientTransformation, params: Mapping[str, Tensor],
+               keys: Collection[str]) -> Any:
+    """``optimizer.init`` of the ``keys`` params as meta tensors: the state's structure and
+    shapes, no memory, nothing left in a compiled graph."""
+    return optimizer.init({k: torch.empty_like(params[k], device="meta") for k in keys})
+
+
 def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
                            params: Mapping[str, Tensor], names: tuple[str, ...],
                            where: str) -> bool:
@@ -372,9 +379,6 @@ def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
         leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
         return spec, [tuple(t.shape) if isinstance(t, Tensor) else None for t in leaves]
 
-    def meta_init(keys: Collection[str]) -> Any:
-        return optimizer.init({k: torch.empty_like(params[k], device="meta") for k in keys})
-
     got = layout(opt_state)
     eager = not torch.compiler.is_compiling()
     if eager:  # an eager step asks every call: answer from the cache, no meta init
@@ -384,9 +388,9 @@ def _flat_state_covers_all(optimizer: GradientTransformation, opt_state: Any,
         if hit is not None and key in hit[1]:
             return hit[1][key]
     answer = None
-    if got == layout(meta_init(names)):
+    if got == layout(_meta_init(optimizer, params, names)):
         answer = False
-    elif len(names) < len(params) and got == layout(meta_init(list(params))):
+    elif len(names) < len(params) and got == layout(_meta_init(optimizer, params, params)):
         answer = True
     if answer is not None:
         if eager:
@@ -418,7 +422,7 @@ def _other_optimizer_state(optimizer: GradientTransformation, opt_state: Any,
     optimizer builds for ``params`` (another optimizer's, say), by comparing tree structures
     with ``optimizer.init`` on meta tensors; None if it is (the error was something else)."""
     try:
-        want = optimizer.init({k: torch.empty_like(v, device="meta") for k, v in params.items()})
+        want = _meta_init(optimizer, params, params)
     except Exception:  # an init that cannot run on meta tensors: nothing to compare
         return None
     spec = optree.tree_structure(opt_state, none_is_leaf=True)
